@@ -1,0 +1,74 @@
+"""Entry point: `python -m psrpc [overrides]`, `torchrun ... -m psrpc`, and `python -m psrpc -m`.
+
+Without RANK in the environment this process is the local launcher and starts the whole cluster;
+under torchrun each process runs its own rank. Either way: parse, validate, build, run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from psrpc.config import register_configs, resolve_paths, to_config, validate
+from psrpc.errors import PsrpcError
+from psrpc.topology import Topology
+
+
+def _run_dir(base: str) -> str:
+    """hydra.run.dir: torchrun's ranks resolve ${now} apart, so they share the run id instead."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"{base}/torchrun/{run_id}"
+    from datetime import datetime
+
+    port = os.environ.get("MASTER_PORT") if "RANK" in os.environ else None
+    stamp = datetime.now().strftime("%Y-%m-%d/%H-%M" if port else "%Y-%m-%d/%H-%M-%S")
+    return f"{base}/{stamp}" + (f"-port{port}" if port else "")
+
+
+def _hydra_subdir():
+    """Only one rank writes .hydra/ into the shared run directory."""
+    return ".hydra" if os.environ.get("RANK", "0") == "0" else None
+
+
+OmegaConf.register_new_resolver("psrpc_run_dir", _run_dir, replace=True)
+OmegaConf.register_new_resolver("psrpc_hydra_subdir", _hydra_subdir, replace=True)
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@record  # under torchrun: the error reaches torchrun's summary instead of Hydra's sys.exit(1)
+def main(dcfg: DictConfig) -> None:
+    try:
+        cfg = to_config(dcfg)
+        resolve_paths(cfg)
+        validate(cfg)
+        out_dir = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
+        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers)
+        if topo.rank is None:
+            from psrpc.launch import launch
+
+            lost = launch(cfg, out_dir)
+            print(f"psrpc: outputs in {out_dir}" + (f" ({', '.join(lost)} lost)" if lost else ""),
+                  file=sys.stderr)
+        else:
+            if HydraConfig.get().mode == RunMode.MULTIRUN:
+                raise PsrpcError("multirun (-m) under torchrun would run the whole sweep on every "
+                                 "rank: run sweeps with the local launcher (python -m psrpc -m ...)")
+            from psrpc.process import run_rank
+
+            run_rank(cfg, topo, out_dir)
+    except PsrpcError as e:
+        print(f"psrpc: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

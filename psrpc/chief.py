@@ -1,0 +1,179 @@
+"""The chief (worker0): initialises the cluster, trains as a worker, runs the hooks, collects the
+workers at the end, writes the run's outputs and stops every process.
+
+Other ranks reach the chief through three module-level functions (RPC calls module functions by
+reference): `get_plan` (async: answered once the shards exist), `report_done` and `ping`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from psrpc import comm
+from psrpc.config import Config
+from psrpc.data import load_dataset
+from psrpc.errors import PsrpcError
+from psrpc.hooks import Hooks, StepInfo, Throughput, default_hooks
+from psrpc.layout import Layout
+from psrpc.models import build_model
+from psrpc.shard import Reply, Shard
+from psrpc.topology import Topology
+from psrpc.worker import Plan, Worker
+
+log = logging.getLogger("psrpc")
+
+_PLAN = torch.futures.Future()  # completed by the chief with the Plan (or its error)
+_DONE: dict[int, dict] = {}  # worker index -> its stats, as workers finish
+_DONE_LOCK = threading.Condition()
+
+
+@comm.async_execution
+def get_plan() -> torch.futures.Future:
+    return _PLAN
+
+
+def report_done(worker: int, stats: dict) -> None:
+    with _DONE_LOCK:
+        _DONE[worker] = stats
+        _DONE_LOCK.notify_all()
+
+
+def ping() -> bool:
+    return True
+
+
+class Chief:
+    def __init__(self, cfg: Config, topo: Topology, out_dir: Path, hooks=()):
+        self.cfg, self.topo, self.out_dir = cfg, topo, Path(out_dir)
+        self.hooks = Hooks(default_hooks(self.out_dir, cfg) + list(hooks))
+        self.throughput = Throughput(cfg.train.warmup_steps)
+        self.plan: Optional[Plan] = None
+        self.lost: list[int] = []  # workers that never reported done
+
+    # -- start ---------------------------------------------------------------------------------
+    def initialise(self):
+        """Build the model (seeded), place the shards on the PS, hand the plan to the workers."""
+        cfg = self.cfg
+        try:
+            torch.manual_seed(cfg.train.seed)
+            dataset = load_dataset(cfg.data, cfg.train.seed)
+            model = build_model(cfg.model.name, dataset.image_shape, dataset.num_classes)
+            named = {n: p.detach() for n, p in model.named_parameters()}
+            layout = Layout.plan({n: tuple(p.shape) for n, p in named.items()},
+                                 self.topo.num_ps, cfg.cluster.max_shard_bytes)
+            flats = layout.split(named)
+            shards = [comm.remote(self.topo.ps_names[k], Shard,
+                                  args=(k, flats[k], cfg.optim, cfg.update,
+                                        self.topo.num_workers, cfg.train.steps))
+                      for k in range(self.topo.num_ps)]
+            for k, rref in enumerate(shards):  # surface a constructor's error here, by PS name
+                comm.invoke(rref, "report").wait()
+            self.plan = Plan(layout, shards)
+        except Exception as e:
+            _PLAN.set_exception(PsrpcError(f"the chief failed to initialise: {e}"))
+            raise
+        _PLAN.set_result(self.plan)
+        log.info("%d parameters in %d shard(s) of %s elements; %d workers, update=%s",
+                 sum(layout.shard_numel), layout.num_shards,
+                 "/".join(str(n) for n in layout.shard_numel), self.topo.num_workers,
+                 cfg.update.name)
+        return model, dataset
+
+    # -- train ---------------------------------------------------------------------------------
+    def after_step(self, reply: Reply, push_s: float) -> None:
+        info = StepInfo(reply.version, reply.loss, reply.samples, reply.stale_dropped,
+                        push_s * 1e3)
+        self.throughput.after_step(info)
+        self.hooks.after_step(info)
+
+    def run(self) -> dict:
+        t_start = time.perf_counter()
+        model, dataset = self.initialise()
+        worker = Worker(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
+        self.hooks.begin(self.cfg.train.steps)
+        t_train = time.perf_counter()
+        worker.run(self.after_step)
+        wall_s = time.perf_counter() - t_train
+        self.lost = self.collect_workers()
+        summary = self.finish(worker, wall_s, self.lost, time.perf_counter() - t_start)
+        self.hooks.end(summary)
+        return summary
+
+    def collect_workers(self) -> list[int]:
+        """Wait for every other worker's done report; the silent ones count as lost."""
+        others = set(range(1, self.topo.num_workers))
+        deadline = time.monotonic() + self.cfg.update.timeout_s
+        with _DONE_LOCK:
+            while not others <= set(_DONE) and time.monotonic() < deadline:
+                _DONE_LOCK.wait(timeout=max(0.0, deadline - time.monotonic()))
+            lost = sorted(others - set(_DONE))
+        if lost:
+            log.warning("no done report from %s within %.0f s (update.timeout_s): counted lost",
+                        ", ".join(f"worker{w}" for w in lost), self.cfg.update.timeout_s)
+        return lost
+
+    # -- end -----------------------------------------------------------------------------------
+    def finish(self, worker: Worker, wall_s: float, lost: list[int], total_s: float) -> dict:
+        plan, cfg = self.plan, self.cfg
+        futures = [comm.invoke(r, "pull_full") for r in plan.shards]
+        flats = [f.wait()[1] for f in futures]
+        reports = comm.wait_all([comm.invoke(r, "report") for r in plan.shards])
+        state = plan.layout.join(flats)
+        for name, buf in worker.model.named_buffers():  # BatchNorm statistics: the chief's
+            state[name] = buf.detach().cpu().clone()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(state, self.out_dir / "model.pt")
+        accuracy = self.evaluate(worker, state)
+        r0 = reports[0]
+        summary = {
+            "update": cfg.update.name, "parallel": cfg.parallel.name,
+            "num_ps": self.topo.num_ps, "num_workers": self.topo.num_workers,
+            "steps": r0["version"], "samples": r0["samples"],
+            "wall_s": round(wall_s, 3), "total_s": round(total_s, 3),
+            "samples_per_s": _round(self.throughput.samples_per_s()),
+            "final_loss": _round(r0["loss"], 6),
+            "test_accuracy": _round(accuracy, 6),
+            "stale_dropped": r0["stale_dropped"],
+            "nan_rejected": sum(r["nan_rejected"] for r in reports),
+            "max_staleness": max(r["max_staleness"] for r in reports),
+            "mean_staleness": _round(r0["mean_staleness"], 4),
+            "workers_lost": len(lost),
+            "restored_from_step": plan.restored_from_step,
+            "shards": reports,
+            "workers": {0: vars(worker.stats), **{w: s for w, s in _DONE.items()}},
+        }
+        with open(self.out_dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+        acc = f"{accuracy:.4f}" if accuracy is not None else "n/a"
+        log.info("done: %d steps, %d samples in %.1f s (%s samples/s), loss %s, test accuracy %s; "
+                 "outputs in %s", summary["steps"], summary["samples"], wall_s,
+                 summary["samples_per_s"], summary["final_loss"], acc, self.out_dir)
+        return summary
+
+    def evaluate(self, worker: Worker, state: dict) -> Optional[float]:
+        """Test accuracy of the gathered model (None when the data has no test split)."""
+        test = worker.data.test
+        if test is None:
+            return None
+        model = worker.model
+        model.load_state_dict({k: v.to(worker.device) for k, v in state.items()})
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for i in range(0, len(test), self.cfg.train.eval_batch_size):
+                x = test.x[i:i + self.cfg.train.eval_batch_size].to(worker.device)
+                y = test.y[i:i + self.cfg.train.eval_batch_size].to(worker.device)
+                correct += int((model(x).argmax(1) == y).sum())
+        model.train()
+        return correct / len(test)
+
+
+def _round(x, nd: int = 2):
+    return None if x is None else round(float(x), nd)

@@ -1,0 +1,332 @@
+"""Typed config schemas (registered with Hydra's ConfigStore) and the checks Hydra cannot do.
+
+Values live in `conf/` (YAML); this module holds the types and a one-line docstring per field.
+Hydra rejects unknown keys and values of the wrong type; `validate` rejects values out of range
+or inconsistent with each other, naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from psrpc.errors import ConfigError
+
+
+@dataclass
+class ClusterConfig:
+    num_ps: int = MISSING
+    """P: parameter-server processes (ranks 0..P-1)."""
+    num_workers: int = MISSING
+    """W: worker processes (ranks P..P+W-1); worker0 is the chief."""
+    max_shard_bytes: int = MISSING
+    """A tensor larger than this many bytes is split along dim 0 across PS."""
+    worker_threads: Optional[int] = MISSING
+    """torch threads per worker; null: this node's cores divided among its workers."""
+    ps_threads: int = MISSING
+    """torch threads per PS (the optimizer step on a flat buffer needs few)."""
+    rpc_threads: int = MISSING
+    """TensorPipe RPC threads per process (a worker waiting at a barrier holds none)."""
+    rpc_timeout_s: Optional[float] = MISSING
+    """Per-call RPC timeout; null: update.timeout_s + 60 (calls parked at a barrier count)."""
+    init_timeout_s: float = MISSING
+    """How long ranks wait for each other at start-up, and workers for the chief's init."""
+    transports: Optional[list[str]] = MISSING
+    """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
+    port: Optional[int] = MISSING
+    """Local launcher's rendezvous port; null: MASTER_PORT if set, else a free one."""
+
+
+@dataclass
+class SyncUpdateConfig:
+    name: str = "sync"
+    """Barrier aggregator: one update per round of gradients (large-batch SGD)."""
+    replicas_to_aggregate: Optional[int] = MISSING
+    """Gradients per round; null: W. Fewer than W makes the rest backup workers."""
+    timeout_s: float = MISSING
+    """A round waiting longer aggregates what it has; missing workers count as lost."""
+    wire_dtype: str = MISSING
+    """What crosses the wire: float32, bfloat16 or float16 (the master copy stays float32)."""
+
+
+@dataclass
+class AsyncUpdateConfig:
+    name: str = "async"
+    """Apply each gradient on arrival under the shard's lock."""
+    max_staleness: Optional[int] = MISSING
+    """Bounded staleness k: a worker too far ahead waits; null: unbounded."""
+    staleness_lr: bool = MISSING
+    """Divide the learning rate by (staleness + 1) for each applied gradient."""
+    timeout_s: float = MISSING
+    """A push held by the staleness bound longer than this is released; the laggard counts as lost."""
+    wire_dtype: str = MISSING
+    """What crosses the wire: float32, bfloat16 or float16 (the master copy stays float32)."""
+
+
+@dataclass
+class DataParallelConfig:
+    name: str = "data"
+    """Each worker holds the whole model and takes its slice of the global batch."""
+
+
+@dataclass
+class ModelParallelConfig:
+    name: str = "model"
+    """The model is cut into consecutive stages, one per worker of a pipeline replica."""
+    stages: int = MISSING
+    """Stages per pipeline replica; W must be a multiple of it."""
+    microbatches: int = MISSING
+    """Micro-batches per step; must divide train.batch_size."""
+    split: Optional[list[int]] = MISSING
+    """Cut points (indices of the first layer of stages 1..S-1); null: balanced by parameters."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """mlp, cnn (no BatchNorm) or resnet18 (torchvision's)."""
+
+
+@dataclass
+class SyntheticDataConfig:
+    name: str = "synthetic"
+    """Learnable, deterministic from train.seed: class prototypes plus Gaussian noise."""
+    image_shape: list[int] = MISSING
+    """[C, H, W] of each sample."""
+    num_classes: int = MISSING
+    """Number of classes."""
+    size: int = MISSING
+    """Training samples."""
+    test_size: int = MISSING
+    """Held-out samples from the same distribution (0: no test split)."""
+    noise: float = MISSING
+    """Noise std relative to the prototypes' (higher is harder)."""
+
+
+@dataclass
+class TorchvisionDataConfig:
+    name: str = MISSING
+    """mnist or cifar10, read through torchvision."""
+    root: str = MISSING
+    """Folder in torchvision's layout (for mnist: root/MNIST/raw/...)."""
+    download: bool = MISSING
+    """Download into root when missing (never by default)."""
+
+
+@dataclass
+class SGDConfig:
+    name: str = "sgd"
+    """torch.optim.SGD on the PS's flat master copy."""
+    lr: float = MISSING
+    """Learning rate."""
+    momentum: float = MISSING
+    """Momentum (0: plain SGD)."""
+    weight_decay: float = MISSING
+    """L2 penalty added to the gradient."""
+    nesterov: bool = MISSING
+    """Nesterov momentum."""
+
+
+@dataclass
+class AdamConfig:
+    name: str = "adam"
+    """torch.optim.Adam on the PS's flat master copy."""
+    lr: float = MISSING
+    """Learning rate."""
+    betas: list[float] = MISSING
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: float = MISSING
+    """Added to the denominator for stability."""
+    weight_decay: float = MISSING
+    """L2 penalty added to the gradient."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = MISSING
+    """Global steps (sync: rounds; async: applied pushes)."""
+    batch_size: int = MISSING
+    """Per worker (data parallel) or per pipeline replica (model parallel)."""
+    seed: int = MISSING
+    """Seeds the model init, the synthetic data and the sample order."""
+    device: str = MISSING
+    """auto (CUDA when present), cpu or cuda."""
+    log_every: int = MISSING
+    """Global steps between progress lines and metrics.jsonl records."""
+    warmup_steps: int = MISSING
+    """samples_per_s counts from the end of this global step to the end."""
+    eval_batch_size: int = MISSING
+    """Batch size of the chief's final test-set evaluation."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = MISSING
+    """Checkpoint folder; restore is automatic when it holds one; null: no checkpoints."""
+    every_steps: int = MISSING
+    """Save every this many global steps (0: off)."""
+    every_s: float = MISSING
+    """Save when this many seconds passed since the last save (0: off)."""
+    keep: int = MISSING
+    """Newest checkpoints kept."""
+
+
+@dataclass
+class FaultConfig:
+    slow_worker: Optional[int] = MISSING
+    """Index of a worker that sleeps fault.slow_s before every push; null: none."""
+    slow_s: float = MISSING
+    """Seconds the slow worker sleeps each step."""
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    update: Any = MISSING
+    """Group: sync | async."""
+    parallel: Any = MISSING
+    """Group: data | model."""
+    model: Any = MISSING
+    """Group: mlp | cnn | resnet18."""
+    data: Any = MISSING
+    """Group: synthetic | mnist | cifar10."""
+    optim: Any = MISSING
+    """Group: sgd | adam."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    out_dir: Optional[str] = MISSING
+    """Where the chief writes its outputs; null: Hydra's job output directory."""
+
+
+def register_configs() -> None:
+    """Register the schemas: `conf/config.yaml` and each group's YAML extend them."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="psrpc_schema", node=Config)
+    # Under schema/ so that they do not show up as options of the groups themselves.
+    for group, name, node in [
+        ("update", "sync", SyncUpdateConfig),
+        ("update", "async", AsyncUpdateConfig),
+        ("parallel", "data", DataParallelConfig),
+        ("parallel", "model", ModelParallelConfig),
+        ("model", "model", ModelConfig),
+        ("data", "synthetic", SyntheticDataConfig),
+        ("data", "torchvision", TorchvisionDataConfig),
+        ("optim", "sgd", SGDConfig),
+        ("optim", "adam", AdamConfig),
+    ]:
+        cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Hydra's config as plain typed objects (dataclasses): what crosses process boundaries."""
+    return OmegaConf.to_object(cfg)
+
+
+_WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(ok: bool, key: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {allowed}")
+
+
+def validate(cfg: Config) -> None:
+    """Reject values out of range or inconsistent; every message names key, value and what is allowed."""
+    c, t, u, p = cfg.cluster, cfg.train, cfg.update, cfg.parallel
+    _check(c.num_ps >= 1, "cluster.num_ps", c.num_ps, "need at least 1 parameter server")
+    _check(c.num_workers >= 1, "cluster.num_workers", c.num_workers, "need at least 1 worker")
+    _check(c.max_shard_bytes >= 1, "cluster.max_shard_bytes", c.max_shard_bytes, "must be ≥ 1")
+    _check(c.worker_threads is None or c.worker_threads >= 1, "cluster.worker_threads",
+           c.worker_threads, "must be ≥ 1 or null (automatic)")
+    _check(c.ps_threads >= 1, "cluster.ps_threads", c.ps_threads, "must be ≥ 1")
+    _check(c.rpc_threads >= 2, "cluster.rpc_threads", c.rpc_threads, "must be ≥ 2")
+    _check(c.init_timeout_s > 0, "cluster.init_timeout_s", c.init_timeout_s, "must be > 0")
+    _check(c.port is None or 0 < c.port < 65536, "cluster.port", c.port,
+           "must be a TCP port in 1..65535, or null")
+    _check(u.timeout_s > 0, "update.timeout_s", u.timeout_s, "must be > 0 seconds")
+    _check(c.rpc_timeout_s is None or c.rpc_timeout_s > u.timeout_s, "cluster.rpc_timeout_s",
+           c.rpc_timeout_s, f"must exceed update.timeout_s={u.timeout_s} (calls wait at the "
+           "barrier that long), or be null")
+    _check(u.wire_dtype in _WIRE_DTYPES, "update.wire_dtype", u.wire_dtype,
+           f"must be one of {list(_WIRE_DTYPES)}")
+    if u.name == "sync":
+        r = u.replicas_to_aggregate
+        _check(r is None or 1 <= r <= replicas(cfg), "update.replicas_to_aggregate", r,
+               f"must be in 1..{replicas(cfg)} (the number of replicas), or null for all")
+    else:
+        _check(u.max_staleness is None or u.max_staleness >= 0, "update.max_staleness",
+               u.max_staleness, "must be ≥ 0, or null for unbounded")
+    _check(t.steps >= 1, "train.steps", t.steps, "must be ≥ 1")
+    _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be ≥ 1")
+    _check(t.log_every >= 1, "train.log_every", t.log_every, "must be ≥ 1")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be ≥ 0")
+    _check(t.eval_batch_size >= 1, "train.eval_batch_size", t.eval_batch_size, "must be ≥ 1")
+    _check(t.device in ("auto", "cpu", "cuda"), "train.device", t.device,
+           "must be auto, cpu or cuda")
+    ck = cfg.checkpoint
+    _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be ≥ 0")
+    _check(ck.every_s >= 0, "checkpoint.every_s", ck.every_s, "must be ≥ 0")
+    _check(ck.keep >= 1, "checkpoint.keep", ck.keep, "must be ≥ 1")
+    f = cfg.fault
+    _check(f.slow_worker is None or 0 <= f.slow_worker < c.num_workers, "fault.slow_worker",
+           f.slow_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
+    _check(f.slow_s >= 0, "fault.slow_s", f.slow_s, "must be ≥ 0 seconds")
+    if p.name == "model":
+        _check(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
+        _check(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,
+               f"must be a multiple of parallel.stages={p.stages} (W = replicas × stages)")
+        _check(p.microbatches >= 1 and t.batch_size % p.microbatches == 0,
+               "parallel.microbatches", p.microbatches,
+               f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
+    _validate_data(cfg.data)
+
+
+def _validate_data(d) -> None:
+    if d.name == "synthetic":
+        _check(len(d.image_shape) == 3 and all(n >= 1 for n in d.image_shape),
+               "data.image_shape", list(d.image_shape), "must be [C, H, W] with every entry ≥ 1")
+        _check(d.num_classes >= 2, "data.num_classes", d.num_classes, "must be ≥ 2")
+        _check(d.size >= 1, "data.size", d.size, "must be ≥ 1")
+        _check(d.test_size >= 0, "data.test_size", d.test_size, "must be ≥ 0")
+        _check(d.noise >= 0, "data.noise", d.noise, "must be ≥ 0")
+        return
+    from psrpc.data import missing_files
+
+    root = Path(d.root)
+    missing = missing_files(d.name, root)
+    if missing and not d.download:
+        raise ConfigError(
+            f"data.root={d.root!r}: {d.name} not found (missing {missing[0]}). Point data.root "
+            f"at the folder in torchvision's layout that holds it, or set data.download=true")
+
+
+def replicas(cfg: Config) -> int:
+    """Data-parallel replicas: W in data-parallel mode, W / stages in model-parallel mode."""
+    if cfg.parallel.name == "model":
+        return max(1, cfg.cluster.num_workers // max(1, cfg.parallel.stages))
+    return cfg.cluster.num_workers
+
+
+def rpc_timeout_s(cfg: Config) -> float:
+    """Per-call RPC timeout: above update.timeout_s, since calls wait at the barrier."""
+    if cfg.cluster.rpc_timeout_s is not None:
+        return float(cfg.cluster.rpc_timeout_s)
+    return float(cfg.update.timeout_s) + 60.0
+
+
+def resolve_paths(cfg: Config, cwd: Optional[str] = None) -> None:
+    """Make user paths absolute, so every rank reads the same files whatever its cwd."""
+    base = Path(cwd or os.getcwd())
+    if getattr(cfg.data, "root", None):
+        cfg.data.root = str((base / os.path.expanduser(cfg.data.root)).resolve())
+    if cfg.checkpoint.dir:
+        cfg.checkpoint.dir = str((base / os.path.expanduser(cfg.checkpoint.dir)).resolve())
+    if cfg.out_dir:
+        cfg.out_dir = str((base / os.path.expanduser(cfg.out_dir)).resolve())

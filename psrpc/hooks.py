@@ -1,0 +1,159 @@
+"""Hooks on the chief: the users' extension point, as TensorFlow's SessionRunHook.
+
+A hook sees the run begin, every global step the chief observes, and the end:
+
+    class MyHook(psrpc.hooks.Hook):
+        def after_step(self, info: StepInfo) -> None: ...   # info.step, .loss, .samples, ...
+        def end(self, summary: dict) -> None: ...
+
+`after_step` runs on the chief's training thread: keep it cheap. Set `info.stop = True` to end
+training early (the chief stops the cluster cleanly).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("psrpc")
+
+
+@dataclass
+class StepInfo:
+    step: int  # global step after this update (shard 0's version)
+    loss: Optional[float]  # sync: the round's mean loss; async: mean of the last W applied
+    samples: int  # samples whose gradients were applied so far
+    stale_dropped: int
+    push_ms: float  # the chief's wait for this step's push_pull replies
+    time: float = field(default_factory=time.perf_counter)
+    stop: bool = False  # a hook sets it to end training
+
+
+class Hook:
+    def begin(self, total_steps: int) -> None:
+        pass
+
+    def after_step(self, info: StepInfo) -> None:
+        pass
+
+    def end(self, summary: dict) -> None:
+        pass
+
+
+class Hooks(Hook):
+    """Several hooks called in order."""
+
+    def __init__(self, hooks: list[Hook]):
+        self.hooks = hooks
+
+    def begin(self, total_steps: int) -> None:
+        for h in self.hooks:
+            h.begin(total_steps)
+
+    def after_step(self, info: StepInfo) -> None:
+        for h in self.hooks:
+            h.after_step(info)
+
+    def end(self, summary: dict) -> None:
+        for h in self.hooks:
+            h.end(summary)
+
+
+class Throughput(Hook):
+    """Steady-state samples/s: from the end of step `warmup_steps` to the last step."""
+
+    def __init__(self, warmup_steps: int):
+        self.warmup = warmup_steps
+        self.first: Optional[StepInfo] = None
+        self.start: Optional[StepInfo] = None
+        self.last: Optional[StepInfo] = None
+
+    def after_step(self, info: StepInfo) -> None:
+        self.first = self.first or info
+        if self.start is None and info.step >= self.warmup:
+            self.start = info
+        self.last = info
+
+    def samples_per_s(self) -> Optional[float]:
+        start = self.start if self.start is not self.last else self.first
+        if start is None or self.last is None or self.last.time <= start.time:
+            return None
+        return (self.last.samples - start.samples) / (self.last.time - start.time)
+
+
+class MetricsLog(Hook):
+    """Every `log_every` global steps: one console line and one metrics.jsonl record."""
+
+    def __init__(self, out_dir: Path, log_every: int):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_every = log_every
+        self._file = None
+        self._window: list[StepInfo] = []
+        self._last: Optional[StepInfo] = None
+        self._next = log_every
+        self._total = 0
+
+    def begin(self, total_steps: int) -> None:
+        self._total = total_steps
+        self._file = open(self.path, "a", buffering=1)
+
+    def after_step(self, info: StepInfo) -> None:
+        self._window.append(info)
+        if info.step < self._next and info.step < self._total:
+            return
+        prev = self._last or self._window[0]
+        dt = info.time - prev.time
+        rate = (info.samples - prev.samples) / dt if dt > 0 else 0.0
+        push_ms = sum(w.push_ms for w in self._window) / len(self._window)
+        record = {"step": info.step, "loss": info.loss, "samples": info.samples,
+                  "samples_per_s": round(rate, 2), "push_ms": round(push_ms, 3),
+                  "stale_dropped": info.stale_dropped}
+        self._file.write(json.dumps(record) + "\n")
+        loss = f"{info.loss:.4f}" if info.loss is not None else "   n/a"
+        log.info("step %5d/%d | loss %s | %8.1f samples/s | push %6.1f ms | stale %d",
+                 info.step, self._total, loss, rate, push_ms, info.stale_dropped)
+        self._window, self._last = [], info
+        self._next = (info.step // self.log_every + 1) * self.log_every
+
+    def end(self, summary: dict) -> None:
+        if self._file:
+            self._file.close()
+
+
+class TensorBoard(Hook):
+    """Scalars for TensorBoard under out_dir/tensorboard, when `tensorboard` is installed."""
+
+    def __init__(self, out_dir: Path, log_every: int):
+        from torch.utils.tensorboard import SummaryWriter  # ImportError without tensorboard
+
+        self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+        self.log_every = log_every
+        self._next = log_every
+
+    def after_step(self, info: StepInfo) -> None:
+        if info.step >= self._next:
+            if info.loss is not None:
+                self.writer.add_scalar("loss", info.loss, info.step)
+            self.writer.add_scalar("push_ms", info.push_ms, info.step)
+            self.writer.add_scalar("stale_dropped", info.stale_dropped, info.step)
+            self._next = (info.step // self.log_every + 1) * self.log_every
+
+    def end(self, summary: dict) -> None:
+        for key in ("test_accuracy", "samples_per_s", "final_loss"):
+            if summary.get(key) is not None:
+                self.writer.add_scalar(f"summary/{key}", summary[key], summary["steps"])
+        self.writer.close()
+
+
+def default_hooks(out_dir: Path, cfg) -> list[Hook]:
+    hooks: list[Hook] = [MetricsLog(out_dir, cfg.train.log_every)]
+    try:
+        hooks.append(TensorBoard(out_dir, cfg.train.log_every))
+    except ImportError:
+        pass
+    return hooks

@@ -1,0 +1,187 @@
+"""The local launcher: `python -m psrpc` runs a whole cluster (P + W fresh processes) on 127.0.0.1.
+
+Processes come from a forkserver that has imported torch once (a spawned interpreter pays 4-6 s
+for `import torch` on 2 cores; a fork of the clean server pays none), so every run and every
+multirun job still gets fresh processes with no RPC state. The parent waits, and:
+- a rank that fails (an exception, or a PS or the chief dying) brings the run down at once:
+  every child is terminated and the failing rank's error is raised;
+- a non-chief worker killed by a signal is lost, not fatal: the others go on (DESIGN §7);
+- SIGINT/SIGTERM to the parent terminate every child; no process outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from psrpc.config import Config
+from psrpc.errors import ConfigError, PsrpcError
+from psrpc.topology import Topology
+
+log = logging.getLogger("psrpc")
+TERMINATE_GRACE_S = 5.0
+
+
+class ClusterFailed(PsrpcError):
+    """A rank failed; the message names it and carries its error."""
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def check_port(addr: str, port: int, key: str) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            raise ConfigError(f"{key}={port}: port busy on {addr} ({e.strerror}); choose another "
+                              f"port, or leave it unset for a free one") from None
+
+
+def choose_port(cfg: Config, env=os.environ) -> int:
+    """cluster.port, else MASTER_PORT, else a free port; a busy one is an error."""
+    if cfg.cluster.port is not None:
+        check_port("127.0.0.1", cfg.cluster.port, "cluster.port")
+        return cfg.cluster.port
+    if env.get("MASTER_PORT"):
+        port = int(env["MASTER_PORT"])
+        check_port("127.0.0.1", port, "MASTER_PORT")
+        return port
+    return free_port()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (the forkserver) exits; no orphans even if
+    the launcher itself is killed with SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str) -> None:
+    """Entry of one rank's process."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
+    from psrpc.process import run_rank
+
+    try:
+        run_rank(cfg, topo, Path(out_dir))
+    except BaseException as e:  # report, then exit non-zero without a second traceback
+        text = str(e) if isinstance(e, PsrpcError) else traceback.format_exc()
+        Path(error_file).write_text(text)
+        logging.getLogger("psrpc").error("%s", text.rstrip())
+        os._exit(1)
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker"])
+    return ctx
+
+
+def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None) -> list[str]:
+    """Run the cluster to the end. Returns the names of lost workers; raises ClusterFailed."""
+    P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
+    topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg))
+    ctx = _context()
+    errors = Path(tempfile.mkdtemp(prefix="psrpc-"))
+    procs = {}
+    for rank in range(topo.world_size):
+        name = topo.name_of(rank)
+        procs[name] = ctx.Process(target=_child, name=name, daemon=False, args=(
+            cfg, topo.with_rank(rank), str(out_dir), str(errors / f"{name}.err")))
+    lost: list[str] = []
+    stop = _Signals()
+    try:
+        for p in procs.values():
+            p.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        running = dict(procs)
+        while running:
+            stop.check()
+            if deadline is not None and time.monotonic() > deadline:
+                raise ClusterFailed(f"the run did not finish within {timeout_s:.0f} s; stopped it")
+            for name, p in list(running.items()):
+                if p.exitcode is None:
+                    continue
+                del running[name]
+                if p.exitcode == 0:
+                    continue
+                if p.exitcode < 0 and name.startswith("worker") and name != topo.chief_name:
+                    log.warning("[launcher] %s died (%s); the others go on without it",
+                                name, _describe(p.exitcode))
+                    lost.append(name)
+                    continue
+                raise ClusterFailed(_failure(name, p.exitcode, errors / f"{name}.err"))
+            time.sleep(0.05)
+        return lost
+    finally:
+        stop.restore()
+        _terminate(procs.values())
+        for f in errors.glob("*"):
+            f.unlink()
+        errors.rmdir()
+
+
+def _describe(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _failure(name: str, exitcode: int, error_file: Path) -> str:
+    if error_file.exists() and error_file.read_text().strip():
+        return f"{name} failed: {error_file.read_text().strip()}"
+    return f"{name} died ({_describe(exitcode)})"
+
+
+def _terminate(procs) -> None:
+    """SIGTERM every live child, then SIGKILL what is left after a grace period."""
+    alive = [p for p in procs if p.pid is not None and p.exitcode is None]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5)
+
+
+class _Signals:
+    """SIGINT/SIGTERM while the cluster runs: stop it (the finally-block terminates children)."""
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a test harness): nothing to install
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise ClusterFailed(f"stopped by {signal.Signals(self.received).name}")
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,141 @@
+"""One rank's life: setup (logging, threads, seed, RPC), its role, and the mirror-image shutdown.
+
+Training loops receive built objects and never call init_rpc. The chief ends the run: it tells
+every other process to stop (`request_stop`), then all leave the RPC group together (graceful
+when nobody was lost; torch's graceful shutdown waits for every peer with no way out).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from psrpc import comm
+from psrpc.config import Config, rpc_timeout_s
+from psrpc.errors import PsrpcError
+from psrpc.topology import Topology
+
+log = logging.getLogger("psrpc")
+
+_STOP = threading.Event()
+_GRACEFUL = [True]
+PING_EVERY_S = 5.0
+
+
+def request_stop(graceful: bool) -> None:
+    """Called by the chief over RPC when the run is over."""
+    _GRACEFUL[0] = graceful
+    _STOP.set()
+
+
+class _RankFormatter(logging.Formatter):
+    """`[worker0] message` for INFO, `[worker0] WARNING: message` otherwise."""
+
+    def __init__(self, rank_name: str, with_time: bool):
+        super().__init__()
+        t = "%(asctime)s " if with_time else ""
+        self._info = logging.Formatter(f"{t}[{rank_name}] %(message)s", "%H:%M:%S")
+        self._other = logging.Formatter(f"{t}[{rank_name}] %(levelname)s: %(message)s", "%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return (self._info if record.levelno == logging.INFO else self._other).format(record)
+
+
+def setup_logging(rank_name: str, out_dir: Path | None) -> None:
+    """Console lines prefixed with the rank's name; a log file per rank (never shared)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(_RankFormatter(rank_name, with_time=False))
+    root.addHandler(console)
+    if out_dir is not None:
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        file = logging.FileHandler(out_dir / "logs" / f"{rank_name}.log")
+        file.setFormatter(_RankFormatter(rank_name, with_time=True))
+        root.addHandler(file)
+    root.setLevel(logging.INFO)
+
+
+def set_threads(cfg: Config, topo: Topology) -> int:
+    """Workers share the node's cores; a PS needs few (its optimizer step is one flat op)."""
+    if topo.role == "ps":
+        n = cfg.cluster.ps_threads
+    else:
+        n = cfg.cluster.worker_threads or max(1, (os.cpu_count() or 1) // topo.workers_on_this_node)
+    torch.set_num_threads(n)
+    return n
+
+
+def run_rank(cfg: Config, topo: Topology, out_dir: Path) -> None:
+    """Everything one rank does, from joining the cluster to leaving it."""
+    setup_logging(topo.name, out_dir)
+    set_threads(cfg, topo)
+    torch.manual_seed(cfg.train.seed)
+    comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
+              rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
+              threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports)
+    graceful = False
+    try:
+        if topo.is_chief:
+            graceful = _run_chief(cfg, topo, out_dir)
+        else:
+            if topo.role == "worker":
+                _run_worker(cfg, topo)
+            graceful = _wait_for_stop(topo)
+    finally:
+        comm.shutdown(graceful=graceful)
+
+
+def _run_chief(cfg: Config, topo: Topology, out_dir: Path) -> bool:
+    from psrpc.chief import Chief
+
+    chief = Chief(cfg, topo, out_dir)
+    chief.run()
+    graceful = not chief.lost
+    lost = {f"worker{w}" for w in chief.lost}
+    peers = [n for n in topo.ps_names + topo.worker_names[1:] if n not in lost]
+    for name, fut in [(n, comm.call(n, request_stop, (graceful,), timeout_s=10)) for n in peers]:
+        try:
+            fut.wait()
+        except Exception as e:  # it is leaving anyway; shutdown below does not wait for it
+            log.warning("%s did not acknowledge the stop: %s", name, str(e).splitlines()[0])
+    return graceful
+
+
+def _run_worker(cfg: Config, topo: Topology) -> None:
+    from psrpc import chief
+
+    try:
+        plan = comm.call_sync(topo.chief_name, chief.get_plan, timeout_s=cfg.cluster.init_timeout_s)
+    except Exception as e:
+        raise PsrpcError(
+            f"{topo.name}: no plan from the chief ({topo.chief_name}) after waiting up to "
+            f"{cfg.cluster.init_timeout_s:.0f} s (cluster.init_timeout_s) for it to initialise "
+            f"the parameter servers: {str(e).splitlines()[0]}") from e
+    from psrpc.worker import Worker
+
+    worker = Worker(cfg, topo, plan)
+    worker.run()
+    comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
+
+
+def _wait_for_stop(topo: Topology) -> bool:
+    """Serve RPCs until the chief says stop; give up if the chief stops answering."""
+    from psrpc import chief
+
+    while not _STOP.wait(PING_EVERY_S):
+        try:
+            comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
+        except Exception as e:
+            raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "
+                             f"{str(e).splitlines()[0]}") from e
+    if not _GRACEFUL[0]:
+        time.sleep(0.2)  # let the stop's acknowledgement leave before the agent goes down
+    return _GRACEFUL[0]

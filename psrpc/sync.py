@@ -1,0 +1,107 @@
+"""The barrier aggregator (`update=sync`): one optimizer step per round of gradients.
+
+A push adds its gradient to the round's sum and gets the round's Future: the RPC thread is free
+while the worker waits (`async_execution`). When `replicas_to_aggregate` gradients (default: every
+live worker) are in, the sum is averaged, the optimizer steps once, the version goes up and every
+waiter gets the same fresh parameters: large-batch SGD over the union of their batches.
+
+A gradient computed on an older version is stale: dropped, counted, answered at once with the
+current parameters (backup workers: with N < W the first N make the round). A round open longer
+than `timeout_s` aggregates what it has; the missing workers count as lost and later rounds stop
+waiting for them, until they push again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Optional
+
+import torch
+
+from psrpc import comm
+from psrpc.errors import PushRejected
+from psrpc.updates import LiveSet, Watchdog
+
+log = logging.getLogger(__name__)
+
+
+class SyncAggregator:
+    def __init__(self, shard, cfg, num_workers: int):
+        self.shard = shard
+        self.replicas_to_aggregate = cfg.replicas_to_aggregate or num_workers
+        self.timeout_s = float(cfg.timeout_s)
+        self.live = LiveSet(num_workers)
+        shard.losses = deque(maxlen=1)  # recent_loss is the last round's mean
+        self._sum = torch.zeros_like(shard.params)  # float32, the round's gradient sum
+        self._new_round()
+        self._watchdog = Watchdog(self._check_timeout, min(0.1, self.timeout_s / 10),
+                                  f"ps{shard.index}-round-timeout")
+
+    def _new_round(self) -> None:
+        self._sum.zero_()
+        self._members: set[int] = set()
+        self._losses: list[float] = []
+        self._samples = 0
+        self._opened: Optional[float] = None
+        self._future = torch.futures.Future()
+
+    def needed(self) -> int:
+        """Gradients that close the round: N, or fewer when workers are lost."""
+        return max(1, min(self.replicas_to_aggregate, len(self.live.alive)))
+
+    def push(self, worker: int, version: int, grad: torch.Tensor, loss: float, samples: int):
+        shard = self.shard
+        with shard.lock:
+            self.live.seen(worker)
+            if version < shard.version or shard.finished:
+                if not shard.finished:
+                    shard.stats.stale(worker)
+                return comm.completed(shard.reply(accepted=False))
+            if worker in self._members:
+                return comm.failed(PushRejected(
+                    f"ps{shard.index}: worker{worker} pushed twice for step {version}"))
+            self._sum.add_(grad)  # grad may be bf16/fp16 on the wire; the sum stays float32
+            self._members.add(worker)
+            self._losses.append(float(loss))
+            self._samples += int(samples)
+            if self._opened is None:
+                self._opened = time.monotonic()
+            future = self._future
+            done = self._close_round() if len(self._members) >= self.needed() else None
+        if done is not None:
+            done[0].set_result(done[1])  # outside the lock: completing sends every reply
+        return future
+
+    def _close_round(self):
+        """Average, step, reply. Caller holds the lock; returns (future, reply) to complete."""
+        shard = self.shard
+        count = len(self._members)
+        shard.apply(self._sum.div_(count))
+        for w in self._members:
+            shard.stats.applied(w, 0)
+        shard.stats.samples += self._samples
+        loss = sum(self._losses) / count
+        shard.record_loss(loss)
+        reply = shard.reply(accepted=True, loss=loss)
+        future = self._future
+        self._new_round()
+        return future, reply
+
+    def _check_timeout(self) -> None:
+        shard, done = self.shard, None
+        with shard.lock:
+            if self._opened is not None and time.monotonic() - self._opened > self.timeout_s:
+                missing = sorted(self.live.alive - self._members)
+                log.warning("ps%d: round %d waited %.1f s (update.timeout_s) with %d of %d "
+                            "gradients; going on without %s", shard.index, shard.version,
+                            self.timeout_s, len(self._members), self.needed(),
+                            ", ".join(f"worker{w}" for w in missing))
+                self.live.lose(missing)
+                done = self._close_round()
+        if done is not None:
+            done[0].set_result(done[1])
+
+    def close(self) -> None:
+        self._watchdog.close()

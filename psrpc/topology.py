@@ -1,0 +1,121 @@
+"""The one object that maps ranks to roles, and the only reader of the launch environment.
+
+Ranks [0, P) are parameter servers ps0..ps{P-1}; ranks [P, P+W) are workers
+worker0..worker{W-1}; worker0 is the chief.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from psrpc.errors import ConfigError
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_ps: int
+    num_workers: int
+    rank: Optional[int] = None
+    """This process's rank; None in the local launcher's parent (which has no role)."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    launched_by_torchrun: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.num_ps + self.num_workers
+
+    @classmethod
+    def from_env(cls, num_ps: int, num_workers: int,
+                 env: Optional[Mapping[str, str]] = None) -> "Topology":
+        """Read RANK/WORLD_SIZE/... (set by torchrun); without them this is the launcher's parent."""
+        env = os.environ if env is None else env
+        port = env.get("MASTER_PORT")
+        base = dict(num_ps=num_ps, num_workers=num_workers,
+                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                    master_port=int(port) if port else 0)
+        if "RANK" not in env:
+            return cls(**base)
+        world = int(env.get("WORLD_SIZE", "0"))
+        if world != num_ps + num_workers:
+            raise ConfigError(
+                f"WORLD_SIZE={world} but cluster.num_ps={num_ps} + cluster.num_workers="
+                f"{num_workers} = {num_ps + num_workers}: launch exactly P + W processes "
+                f"(torchrun --nproc-per-node × --nnodes = {num_ps + num_workers}), or change "
+                f"cluster.num_ps / cluster.num_workers")
+        return cls(**base, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+                   launched_by_torchrun="TORCHELASTIC_RUN_ID" in env)
+
+    def with_rank(self, rank: int, local_rank: Optional[int] = None) -> "Topology":
+        """This topology as seen by one process the local launcher starts."""
+        return Topology(self.num_ps, self.num_workers, rank, self.master_addr, self.master_port,
+                        rank if local_rank is None else local_rank, self.world_size)
+
+    # -- questions the rest of psrpc asks -----------------------------------------------------
+    def role_of(self, rank: int) -> tuple[str, int]:
+        """("ps", k) or ("worker", i)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+        return ("ps", rank) if rank < self.num_ps else ("worker", rank - self.num_ps)
+
+    def name_of(self, rank: int) -> str:
+        role, index = self.role_of(rank)
+        return f"{role}{index}"
+
+    @property
+    def name(self) -> str:
+        return "launcher" if self.rank is None else self.name_of(self.rank)
+
+    @property
+    def role(self) -> str:
+        return self.role_of(self.rank)[0]
+
+    @property
+    def index(self) -> int:
+        """k for ps{k}, i for worker{i}."""
+        return self.role_of(self.rank)[1]
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == self.num_ps
+
+    @property
+    def ps_names(self) -> list[str]:
+        return [f"ps{k}" for k in range(self.num_ps)]
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [f"worker{i}" for i in range(self.num_workers)]
+
+    @property
+    def chief_name(self) -> str:
+        return "worker0"
+
+    def rank_of(self, name: str) -> int:
+        m = re.fullmatch(r"(ps|worker)(\d+)", name)
+        if m is None:
+            raise ValueError(f"{name!r} is not a rank name (ps<k> or worker<i>)")
+        index = int(m.group(2))
+        return index if m.group(1) == "ps" else self.num_ps + index
+
+    def shard_of(self, name: str) -> int:
+        """The shard index that PS `name` holds (ps{k} holds shard k)."""
+        role, index = self.role_of(self.rank_of(name))
+        if role != "ps":
+            raise ValueError(f"{name} is a worker, it holds no shard")
+        return index
+
+    @property
+    def workers_on_this_node(self) -> int:
+        """Workers sharing this node's cores (for the default thread count)."""
+        first = self.rank - self.local_rank
+        last = first + self.local_world_size
+        return max(1, sum(1 for r in range(first, last) if r >= self.num_ps))

@@ -1,0 +1,143 @@
+"""The data-parallel worker loop, and the client that pushes to and pulls from every shard.
+
+One step: take this replica's rows of the global batch at the current global step; forward and
+backward on the worker's device (gradients land in flat per-shard buffers); one `push_pull` per
+shard, all in flight at once; copy the returned parameters in. The global step (shard 0's
+version) picks the batch, so a resumed or stale worker always knows where it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from psrpc import comm
+from psrpc.config import Config, replicas
+from psrpc.data import GlobalBatches, load_dataset
+from psrpc.errors import PsrpcError
+from psrpc.faults import build_faults
+from psrpc.flat import FlatModel
+from psrpc.layout import Layout
+from psrpc.models import build_model
+from psrpc.shard import WIRE_DTYPES, Reply
+from psrpc.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    """What the chief hands every worker once the shards exist."""
+
+    layout: Layout
+    shards: list  # RRef of shard k, owned by ps{k}
+    restored_from_step: Optional[int] = None
+
+
+@dataclass
+class WorkerStats:
+    pushes: int = 0
+    accepted: int = 0
+    push_s: float = 0.0  # time spent waiting for push_pull replies
+    compute_s: float = 0.0
+
+
+class ShardClient:
+    """push / pull / push_pull against every shard, all RPCs in flight at once."""
+
+    def __init__(self, shards: list, worker: int, timeout_s: Optional[float] = None):
+        self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
+
+    def _wait(self, futures) -> list[Reply]:
+        replies = []
+        for k, fut in enumerate(futures):
+            try:
+                replies.append(fut.wait())
+            except Exception as e:
+                owner = comm.owner_name(self.shards[k])
+                raise PsrpcError(f"worker{self.worker}: push_pull to {owner} failed: "
+                                 f"{_first_line(e)}") from e
+        return replies
+
+    def push_pull(self, versions: list[int], grads: list[torch.Tensor], loss: float,
+                  samples: int) -> list[Reply]:
+        return self._wait([
+            comm.invoke(rref, "push_pull", self.worker, v, g, loss, samples,
+                        timeout_s=self.timeout_s)
+            for rref, v, g in zip(self.shards, versions, grads)])
+
+    def pull(self) -> list[Reply]:
+        return self._wait([comm.invoke(rref, "pull", timeout_s=self.timeout_s)
+                           for rref in self.shards])
+
+
+def pick_device(name: str, local_rank: int) -> torch.device:
+    """train.device: auto -> cuda:{local_rank % n} when CUDA is present, else cpu."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise PsrpcError("train.device='cuda' but CUDA is not available here; use auto or cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+class Worker:
+    def __init__(self, cfg: Config, topo: Topology, plan: Plan, model=None, dataset=None):
+        self.cfg, self.topo, self.index = cfg, topo, topo.index
+        self.device = pick_device(cfg.train.device, topo.local_rank)
+        self.data = dataset or load_dataset(cfg.data, cfg.train.seed)
+        model = model or build_model(cfg.model.name, self.data.image_shape, self.data.num_classes)
+        self.model = model.to(self.device)
+        self.flat = FlatModel(self.model, plan.layout, self.device,
+                              WIRE_DTYPES[cfg.update.wire_dtype])
+        self.client = ShardClient(plan.shards, self.index)
+        self.batch = cfg.train.batch_size
+        self.batches = GlobalBatches(len(self.data.train), replicas(cfg) * self.batch,
+                                     cfg.train.seed)
+        self.faults = build_faults(cfg.fault, "worker", self.index)
+        self.stats = WorkerStats()
+
+    def load(self, replies: list[Reply]) -> list[int]:
+        for k, r in enumerate(replies):
+            self.flat.load(k, r.params)
+        return [r.version for r in replies]
+
+    def compute(self, step: int) -> float:
+        """Forward and backward on this worker's rows of global batch `step`; returns the loss."""
+        idx = self.batches.slice_for(step, self.index, self.batch)
+        x = self.data.train.x[idx].to(self.device, non_blocking=True)
+        y = self.data.train.y[idx].to(self.device, non_blocking=True)
+        self.flat.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss.item()
+
+    def run(self, after_step: Callable[[Reply, float], None] = lambda reply, push_s: None) -> None:
+        """Train until the global step reaches train.steps. `after_step` is the chief's hook."""
+        versions = self.load(self.client.pull())
+        steps = self.cfg.train.steps
+        while versions[0] < steps:
+            t0 = time.perf_counter()
+            loss = self.compute(versions[0])
+            self.faults.before_push(versions[0])
+            grads = [self.flat.grad_to_send(k) for k in range(len(versions))]
+            t1 = time.perf_counter()
+            replies = self.client.push_pull(versions, grads, loss, self.batch)
+            t2 = time.perf_counter()
+            versions = self.load(replies)
+            self.stats.pushes += 1
+            self.stats.accepted += int(replies[0].accepted)
+            self.stats.compute_s += t1 - t0
+            self.stats.push_s += t2 - t1
+            after_step(replies[0], t2 - t1)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
