@@ -100,7 +100,9 @@ class AsyncApplier:
         self._held.sort()
         while self._held:
             head = self._held[0]
-            blockers = [] if self.shard.finished else self._blockers(self.shard.version)
+            too_stale = self.shard.version - head.version > self.k
+            blockers = [] if self.shard.finished or too_stale else self._blockers(
+                self.shard.version)
             if blockers:
                 if not (overdue and time.monotonic() - head.since > self.timeout_s):
                     break

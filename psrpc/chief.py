@@ -22,7 +22,6 @@ from psrpc.data import load_dataset
 from psrpc.errors import PsrpcError
 from psrpc.hooks import Hooks, StepInfo, Throughput, default_hooks
 from psrpc.layout import Layout
-from psrpc.models import build_model
 from psrpc.shard import Reply, Shard
 from psrpc.topology import Topology
 from psrpc.worker import Plan, Worker
@@ -50,8 +49,9 @@ def ping() -> bool:
 
 
 class Chief:
-    def __init__(self, cfg: Config, topo: Topology, out_dir: Path, hooks=()):
+    def __init__(self, cfg: Config, topo: Topology, out_dir: Path, worker_cls=Worker, hooks=()):
         self.cfg, self.topo, self.out_dir = cfg, topo, Path(out_dir)
+        self.worker_cls = worker_cls
         self.hooks = Hooks(default_hooks(self.out_dir, cfg) + list(hooks))
         self.throughput = Throughput(cfg.train.warmup_steps)
         self.plan: Optional[Plan] = None
@@ -64,7 +64,7 @@ class Chief:
         try:
             torch.manual_seed(cfg.train.seed)
             dataset = load_dataset(cfg.data, cfg.train.seed)
-            model = build_model(cfg.model.name, dataset.image_shape, dataset.num_classes)
+            model = self.worker_cls.build_model(cfg, dataset)
             named = {n: p.detach() for n, p in model.named_parameters()}
             layout = Layout.plan({n: tuple(p.shape) for n, p in named.items()},
                                  self.topo.num_ps, cfg.cluster.max_shard_bytes)
@@ -96,7 +96,7 @@ class Chief:
     def run(self) -> dict:
         t_start = time.perf_counter()
         model, dataset = self.initialise()
-        worker = Worker(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
+        worker = self.worker_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
         self.hooks.begin(self.cfg.train.steps)
         t_train = time.perf_counter()
         worker.run(self.after_step)

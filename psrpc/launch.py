@@ -72,14 +72,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str) -> None:
+def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cls) -> None:
     """Entry of one rank's process."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
     from psrpc.process import run_rank
 
     try:
-        run_rank(cfg, topo, Path(out_dir))
+        run_rank(cfg, topo, Path(out_dir), worker_cls)
     except BaseException as e:  # report, then exit non-zero without a second traceback
         text = str(e) if isinstance(e, PsrpcError) else traceback.format_exc()
         Path(error_file).write_text(text)
@@ -93,8 +93,12 @@ def _context():
     return ctx
 
 
-def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None) -> list[str]:
-    """Run the cluster to the end. Returns the names of lost workers; raises ClusterFailed."""
+def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
+           worker_cls=None) -> list[str]:
+    """Run the cluster to the end. Returns the names of lost workers; raises ClusterFailed.
+
+    `worker_cls` replaces `psrpc.worker.Worker` on every worker (a module-level class: it is
+    pickled by reference), e.g. to push known gradients in a test."""
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg))
     ctx = _context()
@@ -103,7 +107,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None) -> lis
     for rank in range(topo.world_size):
         name = topo.name_of(rank)
         procs[name] = ctx.Process(target=_child, name=name, daemon=False, args=(
-            cfg, topo.with_rank(rank), str(out_dir), str(errors / f"{name}.err")))
+            cfg, topo.with_rank(rank), str(out_dir), str(errors / f"{name}.err"), worker_cls))
     lost: list[str] = []
     stop = _Signals()
     try:

@@ -73,8 +73,10 @@ def set_threads(cfg: Config, topo: Topology) -> int:
     return n
 
 
-def run_rank(cfg: Config, topo: Topology, out_dir: Path) -> None:
+def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> None:
     """Everything one rank does, from joining the cluster to leaving it."""
+    if worker_cls is None:
+        from psrpc.worker import Worker as worker_cls
     setup_logging(topo.name, out_dir)
     set_threads(cfg, topo)
     torch.manual_seed(cfg.train.seed)
@@ -84,19 +86,19 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path) -> None:
     graceful = False
     try:
         if topo.is_chief:
-            graceful = _run_chief(cfg, topo, out_dir)
+            graceful = _run_chief(cfg, topo, out_dir, worker_cls)
         else:
             if topo.role == "worker":
-                _run_worker(cfg, topo)
+                _run_worker(cfg, topo, worker_cls)
             graceful = _wait_for_stop(topo)
     finally:
         comm.shutdown(graceful=graceful)
 
 
-def _run_chief(cfg: Config, topo: Topology, out_dir: Path) -> bool:
+def _run_chief(cfg: Config, topo: Topology, out_dir: Path, worker_cls) -> bool:
     from psrpc.chief import Chief
 
-    chief = Chief(cfg, topo, out_dir)
+    chief = Chief(cfg, topo, out_dir, worker_cls)
     chief.run()
     graceful = not chief.lost
     lost = {f"worker{w}" for w in chief.lost}
@@ -109,7 +111,7 @@ def _run_chief(cfg: Config, topo: Topology, out_dir: Path) -> bool:
     return graceful
 
 
-def _run_worker(cfg: Config, topo: Topology) -> None:
+def _run_worker(cfg: Config, topo: Topology, worker_cls) -> None:
     from psrpc import chief
 
     try:
@@ -119,9 +121,7 @@ def _run_worker(cfg: Config, topo: Topology) -> None:
             f"{topo.name}: no plan from the chief ({topo.chief_name}) after waiting up to "
             f"{cfg.cluster.init_timeout_s:.0f} s (cluster.init_timeout_s) for it to initialise "
             f"the parameter servers: {str(e).splitlines()[0]}") from e
-    from psrpc.worker import Worker
-
-    worker = Worker(cfg, topo, plan)
+    worker = worker_cls(cfg, topo, plan)
     worker.run()
     comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
 

@@ -92,8 +92,7 @@ class Worker:
         self.cfg, self.topo, self.index = cfg, topo, topo.index
         self.device = pick_device(cfg.train.device, topo.local_rank)
         self.data = dataset or load_dataset(cfg.data, cfg.train.seed)
-        model = model or build_model(cfg.model.name, self.data.image_shape, self.data.num_classes)
-        self.model = model.to(self.device)
+        self.model = (model or self.build_model(cfg, self.data)).to(self.device)
         self.flat = FlatModel(self.model, plan.layout, self.device,
                               WIRE_DTYPES[cfg.update.wire_dtype])
         self.client = ShardClient(plan.shards, self.index)
@@ -102,6 +101,11 @@ class Worker:
                                      cfg.train.seed)
         self.faults = build_faults(cfg.fault, "worker", self.index)
         self.stats = WorkerStats()
+
+    @classmethod
+    def build_model(cls, cfg: Config, dataset):
+        """The model this worker trains (the chief's copy, built after seeding, is the init)."""
+        return build_model(cfg.model.name, dataset.image_shape, dataset.num_classes)
 
     def load(self, replies: list[Reply]) -> list[int]:
         for k, r in enumerate(replies):

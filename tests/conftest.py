@@ -1,0 +1,129 @@
+"""Shared test helpers: compose a config exactly as the CLI does, run a real cluster, and check
+that no test leaves a process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+MNIST_ROOT = ROOT.parent / "shared" / "data"
+
+# Small and quick: the CPU suite runs many clusters on 2 cores.
+FAST = ["train.steps=20", "train.batch_size=16", "train.log_every=10", "train.warmup_steps=2",
+        "data.size=2048", "data.test_size=256", "update.timeout_s=30"]
+
+
+def compose(overrides=()):
+    """The typed Config that `python -m psrpc <overrides>` would run."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from psrpc.config import register_configs, resolve_paths, to_config, validate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = to_config(hydra_compose("config", overrides=list(overrides)))
+    resolve_paths(cfg, str(ROOT))
+    validate(cfg)
+    return cfg
+
+
+def run_cluster(out_dir: Path, overrides=(), timeout_s: float = 240, fast: bool = True):
+    """Run a whole local cluster through the real launcher; returns (summary, model state)."""
+    from psrpc.launch import launch
+
+    cfg = compose((FAST if fast else []) + list(overrides))
+    launch(cfg, Path(out_dir), timeout_s=timeout_s)
+    return read_outputs(out_dir)
+
+
+def read_outputs(out_dir: Path):
+    summary = json.loads((Path(out_dir) / "summary.json").read_text())
+    state = torch.load(Path(out_dir) / "model.pt", weights_only=True)
+    return summary, state
+
+
+def assert_same_model(a: dict, b: dict, rtol=1e-4, atol=1e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+def models_differ(a: dict, b: dict, atol=1e-3) -> bool:
+    return any(not torch.allclose(a[k], b[k], atol=atol) for k in a)
+
+
+def cli(args, cwd: Path, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+    """`python -m psrpc <args>` in a subprocess, as a user would type it."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "psrpc", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) for every process."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), fields[0])
+    return table
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+# multiprocessing's own long-lived helpers, shared by every cluster of the session
+_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def _leftovers() -> list[str]:
+    """Processes this test session started that still run, multiprocessing's helpers aside
+    (the ranks forked by the forkserver are its children, and are counted)."""
+    table = _process_table()
+    me, alive, todo = os.getpid(), [], [os.getpid()]
+    seen = set()
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, state) in table.items():
+            if ppid != parent or pid in seen:
+                continue
+            seen.add(pid)
+            todo.append(pid)
+            cmd = _cmdline(pid)
+            if state == "Z" or (ppid == me and any(h in cmd for h in _HELPERS)):
+                continue
+            alive.append(f"{pid}: {cmd[:120]}")
+    return alive
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Every test: once it is over, none of its processes may still run."""
+    yield
+    deadline = time.monotonic() + 10
+    left = _leftovers()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _leftovers()
+    assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture
+def gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")

@@ -1,0 +1,57 @@
+"""Real clusters over RPC (local launcher, gloo/CPU): the exactness contracts of DESIGN §4."""
+
+import pytest
+
+from tests.conftest import assert_same_model, models_differ, run_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Sync, 1 PS, W=1 × batch 32: what the other runs must equal."""
+    return run_cluster(tmp_path_factory.mktemp("w1b32"),
+                       ["cluster.num_workers=1", "train.batch_size=32"])
+
+
+def test_sync_w2_b16_equals_w1_b32(tmp_path, reference):
+    summary, state = run_cluster(tmp_path, ["cluster.num_workers=2", "train.batch_size=16"])
+    assert summary["steps"] == 20 and summary["samples"] == 20 * 32
+    assert_same_model(state, reference[1])
+
+
+def test_w1_b16_differs_from_w1_b32(tmp_path, reference):
+    """The comparison above can fail: half the batch gives another model."""
+    _, state = run_cluster(tmp_path, ["cluster.num_workers=1", "train.batch_size=16"])
+    assert models_differ(state, reference[1])
+
+
+@pytest.mark.parametrize("ps", [
+    ["cluster.num_ps=2"],
+    ["cluster.num_ps=3", "cluster.max_shard_bytes=60000"],  # splits the 784×256 weight
+])
+def test_more_ps_and_split_tensors_equal_one_ps(tmp_path, reference, ps):
+    summary, state = run_cluster(tmp_path, ps + ["cluster.num_workers=1", "train.batch_size=32"])
+    shards = summary["shards"]
+    assert len(shards) == summary["num_ps"] > 1 and all(s["version"] == 20 for s in shards)
+    assert_same_model(state, reference[1])
+
+
+def test_async_w1_equals_sync_w1(tmp_path, reference):
+    summary, state = run_cluster(tmp_path, ["update=async", "cluster.num_workers=1",
+                                            "train.batch_size=32"])
+    assert summary["update"] == "async" and summary["max_staleness"] == 0
+    assert_same_model(state, reference[1])
+
+
+def test_outputs_follow_the_contract(reference):
+    summary, state = reference
+    for key in ["update", "parallel", "num_ps", "num_workers", "steps", "samples", "wall_s",
+                "samples_per_s", "final_loss", "test_accuracy", "stale_dropped", "max_staleness",
+                "workers_lost", "restored_from_step"]:
+        assert key in summary, key
+    assert summary["restored_from_step"] is None and summary["workers_lost"] == 0
+    assert 0 <= summary["test_accuracy"] <= 1 and summary["samples_per_s"] > 0
+    from psrpc.models import build_model
+
+    build_model("mlp", (1, 28, 28), 10).load_state_dict(state)  # loads into the config's model
