@@ -80,10 +80,13 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cl
 
     try:
         run_rank(cfg, topo, Path(out_dir), worker_cls)
-    except BaseException as e:  # report, then exit non-zero without a second traceback
-        text = str(e) if isinstance(e, PsrpcError) else traceback.format_exc()
-        Path(error_file).write_text(text)
-        logging.getLogger("psrpc").error("%s", text.rstrip())
+    except BaseException as e:  # report once, then exit non-zero
+        if isinstance(e, PsrpcError):  # bad input or a lost peer: the message says it all
+            logging.getLogger("psrpc").error("%s", e)
+            Path(error_file).write_text(str(e))
+        else:  # a bug: the traceback goes to this rank's log, one line to the launcher
+            logging.getLogger("psrpc").error("%s", traceback.format_exc().rstrip())
+            Path(error_file).write_text(f"{type(e).__name__}: {e} (traceback in its log)")
         os._exit(1)
 
 

@@ -155,8 +155,8 @@ class Shard:
         # A snapshot: the reply is serialised after the lock is released, while the next
         # update may already be changing the master copy.
         params = self.params.detach().to(self.wire_dtype, copy=True)
-        return Reply(self.version, params, accepted, loss, self.stats.samples,
-                     self.stats.stale_dropped)
+        return Reply(self.version, params, accepted, self.recent_loss if loss is None else loss,
+                     self.stats.samples, self.stats.stale_dropped)
 
     def _check(self, worker: int, version: int, grad) -> None:
         name = f"ps{self.index}"

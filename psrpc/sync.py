@@ -55,9 +55,10 @@ class SyncAggregator:
         shard = self.shard
         with shard.lock:
             self.live.seen(worker)
-            if version < shard.version or shard.finished:
-                if not shard.finished:
-                    shard.stats.stale(worker)
+            if version < shard.version:  # stale (also when training has just finished)
+                shard.stats.stale(worker)
+                return comm.completed(shard.reply(accepted=False))
+            if shard.finished:
                 return comm.completed(shard.reply(accepted=False))
             if worker in self._members:
                 return comm.failed(PushRejected(

@@ -35,3 +35,12 @@ class IntegerGradWorker(Worker):
             self.stats.pushes += 1
             self.stats.accepted += int(all(r.accepted for r in replies))
             after_step(replies[0], 0.0)
+
+
+class FailingWorker(Worker):
+    """worker1 raises in the middle of training: a bug in a rank."""
+
+    def compute(self, step: int) -> float:
+        if self.index == 1 and step == 5:
+            raise RuntimeError("worker1 hit a bug at step 5")
+        return super().compute(step)
