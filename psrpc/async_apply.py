@@ -121,6 +121,12 @@ class AsyncApplier:
         for fut, reply in ready:
             fut.set_result(reply)
 
+    def release(self) -> list:
+        """Training is over: answer every held push without applying it."""
+        done = [(h.future, self.shard.reply(accepted=False)) for h in self._held]
+        self._held.clear()
+        return done
+
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.close()

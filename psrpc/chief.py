@@ -1,5 +1,6 @@
-"""The chief (worker0): initialises the cluster, trains as a worker, runs the hooks, collects the
-workers at the end, writes the run's outputs and stops every process.
+"""The chief (worker0), as TensorFlow's MonitoredTrainingSession: initialises the cluster (or
+restores it from the newest checkpoint), trains as a worker, runs the hooks, collects the workers
+at the end, writes the run's outputs and stops every process.
 
 Other ranks reach the chief through three module-level functions (RPC calls module functions by
 reference): `get_plan` (async: answered once the shards exist), `report_done` and `ping`.
@@ -16,13 +17,16 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm
+from psrpc import checkpoint, comm
 from psrpc.config import Config
 from psrpc.data import load_dataset
 from psrpc.errors import PsrpcError
+from psrpc.faults import build_faults
 from psrpc.hooks import Hooks, StepInfo, Throughput, default_hooks
 from psrpc.layout import Layout
-from psrpc.shard import Reply, Shard
+from psrpc.optim import build_optimizer
+from psrpc.saver import build_saver
+from psrpc.shard import Reply, Shard, ShardSpec
 from psrpc.topology import Topology
 from psrpc.worker import Plan, Worker
 
@@ -31,6 +35,7 @@ log = logging.getLogger("psrpc")
 _PLAN = torch.futures.Future()  # completed by the chief with the Plan (or its error)
 _DONE: dict[int, dict] = {}  # worker index -> its stats, as workers finish
 _DONE_LOCK = threading.Condition()
+_STOP_REQUESTED = threading.Event()  # SIGTERM/SIGINT on the chief: end at the next step
 
 
 @comm.async_execution
@@ -48,55 +53,103 @@ def ping() -> bool:
     return True
 
 
+def request_stop() -> None:
+    """Stop training at the next step, with a final checkpoint (the signal handler calls it)."""
+    _STOP_REQUESTED.set()
+
+
 class Chief:
-    def __init__(self, cfg: Config, topo: Topology, out_dir: Path, worker_cls=Worker, hooks=()):
+    def __init__(self, cfg: Config, topo: Topology, out_dir: Path, worker_cls=Worker):
         self.cfg, self.topo, self.out_dir = cfg, topo, Path(out_dir)
         self.worker_cls = worker_cls
-        self.hooks = Hooks(default_hooks(self.out_dir, cfg) + list(hooks))
         self.throughput = Throughput(cfg.train.warmup_steps)
+        self.hooks: Optional[Hooks] = None
         self.plan: Optional[Plan] = None
         self.lost: list[int] = []  # workers that never reported done
+        self.stopped_early = False
 
     # -- start ---------------------------------------------------------------------------------
     def initialise(self):
-        """Build the model (seeded), place the shards on the PS, hand the plan to the workers."""
-        cfg = self.cfg
+        """Build the model (seeded) or restore the newest checkpoint, create the shards on the
+        PS, hand the plan to the workers."""
+        cfg, topo = self.cfg, self.topo
         try:
             torch.manual_seed(cfg.train.seed)
             dataset = load_dataset(cfg.data, cfg.train.seed)
             model = self.worker_cls.build_model(cfg, dataset)
             named = {n: p.detach() for n, p in model.named_parameters()}
-            layout = Layout.plan({n: tuple(p.shape) for n, p in named.items()},
-                                 self.topo.num_ps, cfg.cluster.max_shard_bytes)
-            flats = layout.split(named)
-            shards = [comm.remote(self.topo.ps_names[k], Shard,
-                                  args=(k, flats[k], cfg.optim, cfg.update,
-                                        self.topo.num_workers, cfg.train.steps))
-                      for k in range(self.topo.num_ps)]
-            for k, rref in enumerate(shards):  # surface a constructor's error here, by PS name
+            shapes = {n: tuple(p.shape) for n, p in named.items()}
+            restored = checkpoint.find_latest(cfg.checkpoint.dir)
+            if restored is None:
+                layout = Layout.plan(shapes, topo.num_ps, cfg.cluster.max_shard_bytes)
+                flats, states, version = layout.split(named), [None] * topo.num_ps, 0
+            else:
+                self._check_restorable(restored)
+                fresh = build_optimizer([torch.zeros(1)], cfg.optim).state_dict()
+                layout, flats, states = checkpoint.reshard(
+                    restored, shapes, topo.num_ps, cfg.cluster.max_shard_bytes, fresh)
+                version = restored.step
+                log.info("restored step %d from %s (%d shard(s) -> %d)", version,
+                         checkpoint.step_dir(cfg.checkpoint.dir, version),
+                         restored.layout.num_shards, topo.num_ps)
+            specs = [ShardSpec(k, flats[k], cfg.optim, cfg.update, topo.num_workers,
+                               cfg.train.steps, version, states[k], cfg.checkpoint.dir,
+                               cfg.checkpoint.every_steps,
+                               build_faults(cfg.fault, "ps", k, topo.restart_count))
+                     for k in range(topo.num_ps)]
+            if restored is not None:
+                for spec, saved in zip(specs, _stats_for(restored, topo.num_ps)):
+                    spec.stats = saved
+            shards = [comm.remote(topo.ps_names[k], Shard, args=(specs[k],))
+                      for k in range(topo.num_ps)]
+            for rref in shards:  # surface a constructor's error here
                 comm.invoke(rref, "report").wait()
-            self.plan = Plan(layout, shards)
+            self.plan = Plan(layout, shards, restored.step if restored else None)
         except Exception as e:
             _PLAN.set_exception(PsrpcError(f"the chief failed to initialise: {e}"))
             raise
         _PLAN.set_result(self.plan)
         log.info("%d parameters in %d shard(s) of %s elements; %d workers, update=%s",
                  sum(layout.shard_numel), layout.num_shards,
-                 "/".join(str(n) for n in layout.shard_numel), self.topo.num_workers,
-                 cfg.update.name)
+                 "/".join(str(n) for n in layout.shard_numel), topo.num_workers, cfg.update.name)
         return model, dataset
 
+    def _check_restorable(self, restored: checkpoint.Restored) -> None:
+        saved_optim = restored.manifest.get("optim")
+        if saved_optim != self.cfg.optim.name:
+            raise PsrpcError(
+                f"checkpoint.dir={self.cfg.checkpoint.dir}: step-{restored.step} was saved with "
+                f"optim={saved_optim}, this run uses optim={self.cfg.optim.name}; use another "
+                "checkpoint.dir or the same optimizer")
+
     # -- train ---------------------------------------------------------------------------------
-    def after_step(self, reply: Reply, push_s: float) -> None:
+    def after_step(self, reply: Reply, push_s: float, local_loss: float) -> bool:
+        """The worker loop's callback; returns True to end training."""
         info = StepInfo(reply.version, reply.loss, reply.samples, reply.stale_dropped,
-                        push_s * 1e3)
+                        push_s * 1e3, local_loss=local_loss)
         self.throughput.after_step(info)
         self.hooks.after_step(info)
+        if (info.stop or _STOP_REQUESTED.is_set()) and not reply.finished:
+            self.stop_early(info.step)
+            return True
+        return False
+
+    def stop_early(self, step: int) -> None:
+        """Freeze every shard where it is; workers get 'finished' at their next push."""
+        self.stopped_early = True
+        versions = [f.wait() for f in [comm.invoke(r, "freeze") for r in self.plan.shards]]
+        log.warning("stopping at step %d (asked to stop)%s", versions[0],
+                    "" if len(set(versions)) == 1 else f"; shards stopped at {versions}")
 
     def run(self) -> dict:
         t_start = time.perf_counter()
         model, dataset = self.initialise()
         worker = self.worker_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
+        start = self.plan.restored_from_step or 0
+        saver = build_saver(self.cfg, self.plan, start)
+        extra = [saver] if saver else []
+        extra += [_instantiate(h) for h in self.cfg.hooks]
+        self.hooks = Hooks(default_hooks(self.out_dir, self.cfg) + extra)
         self.hooks.begin(self.cfg.train.steps)
         t_train = time.perf_counter()
         worker.run(self.after_step)
@@ -122,8 +175,7 @@ class Chief:
     # -- end -----------------------------------------------------------------------------------
     def finish(self, worker: Worker, wall_s: float, lost: list[int], total_s: float) -> dict:
         plan, cfg = self.plan, self.cfg
-        futures = [comm.invoke(r, "pull_full") for r in plan.shards]
-        flats = [f.wait()[1] for f in futures]
+        flats = [f.wait()[1] for f in [comm.invoke(r, "pull_full") for r in plan.shards]]
         reports = comm.wait_all([comm.invoke(r, "report") for r in plan.shards])
         state = plan.layout.join(flats)
         for name, buf in worker.model.named_buffers():  # BatchNorm statistics: the chief's
@@ -146,6 +198,7 @@ class Chief:
             "mean_staleness": _round(r0["mean_staleness"], 4),
             "workers_lost": len(lost),
             "restored_from_step": plan.restored_from_step,
+            "stopped_early": self.stopped_early,
             "shards": reports,
             "workers": {0: vars(worker.stats), **{w: s for w, s in _DONE.items()}},
         }
@@ -165,14 +218,25 @@ class Chief:
         model = worker.model
         model.load_state_dict({k: v.to(worker.device) for k, v in state.items()})
         model.eval()
-        correct = 0
+        correct, bs = 0, self.cfg.train.eval_batch_size
         with torch.no_grad():
-            for i in range(0, len(test), self.cfg.train.eval_batch_size):
-                x = test.x[i:i + self.cfg.train.eval_batch_size].to(worker.device)
-                y = test.y[i:i + self.cfg.train.eval_batch_size].to(worker.device)
+            for i in range(0, len(test), bs):
+                x, y = test.x[i:i + bs].to(worker.device), test.y[i:i + bs].to(worker.device)
                 correct += int((model(x).argmax(1) == y).sum())
         model.train()
         return correct / len(test)
+
+
+def _stats_for(restored: checkpoint.Restored, num_shards: int) -> list[Optional[dict]]:
+    """Counters carried over a restore: shard 0's (every shard sees every push)."""
+    saved = restored.shards[0].get("stats")
+    return [dict(saved) if saved else None for _ in range(num_shards)]
+
+
+def _instantiate(spec):
+    from hydra.utils import instantiate
+
+    return instantiate(spec)
 
 
 def _round(x, nd: int = 2):

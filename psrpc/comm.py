@@ -33,13 +33,17 @@ def _rendezvous(url: str, **kwargs):
     parsed = urlparse(url)
     query = parse_qs(parsed.query)
     timeout = timedelta(seconds=float(query.pop("timeout_s")[0]))
+    attempt = query.pop("attempt")[0]
     rest = "&".join(f"{k}={v[0]}" for k, v in query.items())
-    yield from _tcp_rendezvous_handler(urlunparse(parsed._replace(scheme="tcp", query=rest)),
-                                       timeout=timeout)
+    for store, rank, world_size in _tcp_rendezvous_handler(
+            urlunparse(parsed._replace(scheme="tcp", query=rest)), timeout=timeout):
+        # torchrun's agent store outlives a restart of the group: a fresh key space per attempt
+        yield dist.PrefixStore(f"psrpc/attempt-{attempt}", store), rank, world_size
 
 
 def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_timeout_s: float,
-         init_timeout_s: float, threads: int, transports: Optional[Sequence[str]]) -> None:
+         init_timeout_s: float, threads: int, transports: Optional[Sequence[str]],
+         attempt: int = 0) -> None:
     """Join the RPC group; rank and world size always explicit (a missing world_size silently
     switches torch to dynamic membership)."""
     try:
@@ -49,7 +53,7 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=threads,
         rpc_timeout=rpc_timeout_s,
-        init_method=f"{_SCHEME}://{addr}:{port}?timeout_s={init_timeout_s}",
+        init_method=f"{_SCHEME}://{addr}:{port}?timeout_s={init_timeout_s}&attempt={attempt}",
         _transports=list(transports) if transports else None,
     )
     with warnings.catch_warnings():

@@ -181,6 +181,16 @@ class FaultConfig:
     """Index of a worker that sleeps fault.slow_s before every push; null: none."""
     slow_s: float = MISSING
     """Seconds the slow worker sleeps each step."""
+    crash_role: Optional[str] = MISSING
+    """ps or worker: which kind of process kills itself (SIGKILL); null: none."""
+    crash_index: int = MISSING
+    """Index of the process that crashes (ps{k} or worker{i})."""
+    crash_at_step: int = MISSING
+    """Global step at which it crashes (first attempt of a torchrun group only)."""
+    nan_worker: Optional[int] = MISSING
+    """Index of a worker that pushes NaN gradients once; null: none."""
+    nan_at_step: int = MISSING
+    """Global step at which it does."""
 
 
 @dataclass
@@ -199,6 +209,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    hooks: list[Any] = field(default_factory=list)
+    """Extra chief hooks: [{_target_: my.module.MyHook, ...}] (hydra.utils.instantiate)."""
     out_dir: Optional[str] = MISSING
     """Where the chief writes its outputs; null: Hydra's job output directory."""
 
@@ -278,6 +290,14 @@ def validate(cfg: Config) -> None:
     _check(f.slow_worker is None or 0 <= f.slow_worker < c.num_workers, "fault.slow_worker",
            f.slow_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
     _check(f.slow_s >= 0, "fault.slow_s", f.slow_s, "must be ≥ 0 seconds")
+    _check(f.crash_role in (None, "ps", "worker"), "fault.crash_role", f.crash_role,
+           "must be ps, worker or null")
+    if f.crash_role is not None:
+        n = c.num_ps if f.crash_role == "ps" else c.num_workers
+        _check(0 <= f.crash_index < n, "fault.crash_index", f.crash_index,
+               f"must be a {f.crash_role} index in 0..{n - 1}")
+    _check(f.nan_worker is None or 0 <= f.nan_worker < c.num_workers, "fault.nan_worker",
+           f.nan_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
     if p.name == "model":
         _check(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
         _check(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,

@@ -1,6 +1,10 @@
 """Hooks on the chief: the users' extension point, as TensorFlow's SessionRunHook.
 
-A hook sees the run begin, every global step the chief observes, and the end:
+A hook sees the run begin, every global step the chief observes, and the end. Built in: MetricsLog
+(progress line + metrics.jsonl), NanGuard, TensorBoard (when installed), Throughput, StopAtStep,
+and the checkpoint saver (psrpc/saver.py). Add your own from the command line:
+`python -m psrpc '+hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 100}]'`.
+
 
     class MyHook(psrpc.hooks.Hook):
         def after_step(self, info: StepInfo) -> None: ...   # info.step, .loss, .samples, ...
@@ -14,10 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from psrpc.errors import PsrpcError
 
 log = logging.getLogger("psrpc")
 
@@ -29,6 +36,7 @@ class StepInfo:
     samples: int  # samples whose gradients were applied so far
     stale_dropped: int
     push_ms: float  # the chief's wait for this step's push_pull replies
+    local_loss: Optional[float] = None  # the chief's own batch loss this step
     time: float = field(default_factory=time.perf_counter)
     stop: bool = False  # a hook sets it to end training
 
@@ -109,9 +117,11 @@ class MetricsLog(Hook):
         prev = self._last or self._window[0]
         dt = info.time - prev.time
         rate = (info.samples - prev.samples) / dt if dt > 0 else 0.0
+        steps_per_s = (info.step - prev.step) / dt if dt > 0 else 0.0
         push_ms = sum(w.push_ms for w in self._window) / len(self._window)
         record = {"step": info.step, "loss": info.loss, "samples": info.samples,
-                  "samples_per_s": round(rate, 2), "push_ms": round(push_ms, 3),
+                  "samples_per_s": round(rate, 2), "steps_per_s": round(steps_per_s, 3),
+                  "push_ms": round(push_ms, 3),
                   "stale_dropped": info.stale_dropped}
         self._file.write(json.dumps(record) + "\n")
         loss = f"{info.loss:.4f}" if info.loss is not None else "   n/a"
@@ -123,6 +133,35 @@ class MetricsLog(Hook):
     def end(self, summary: dict) -> None:
         if self._file:
             self._file.close()
+
+
+class StopAtStep(Hook):
+    """End training once the global step reaches `last_step` (before train.steps)."""
+
+    def __init__(self, last_step: int):
+        self.last_step = last_step
+
+    def after_step(self, info: StepInfo) -> None:
+        if info.step >= self.last_step:
+            info.stop = True
+
+
+class NanGuard(Hook):
+    """Fail the run when the chief's loss is NaN/Inf `patience` steps in a row (the shards
+    already reject non-finite gradients; this catches a model that has diverged)."""
+
+    def __init__(self, patience: int = 10):
+        self.patience, self._bad = patience, 0
+
+    def after_step(self, info: StepInfo) -> None:
+        if info.local_loss is None or math.isfinite(info.local_loss):
+            self._bad = 0
+            return
+        self._bad += 1
+        if self._bad >= self.patience:
+            raise PsrpcError(f"training diverged: the chief's loss was {info.local_loss} for "
+                             f"{self._bad} steps in a row (global step {info.step}); lower "
+                             "optim.lr or check the data")
 
 
 class TensorBoard(Hook):
@@ -151,7 +190,8 @@ class TensorBoard(Hook):
 
 
 def default_hooks(out_dir: Path, cfg) -> list[Hook]:
-    hooks: list[Hook] = [MetricsLog(out_dir, cfg.train.log_every)]
+    """What every run gets: progress/metrics, the NaN guard, TensorBoard when installed."""
+    hooks: list[Hook] = [MetricsLog(out_dir, cfg.train.log_every), NanGuard()]
     try:
         hooks.append(TensorBoard(out_dir, cfg.train.log_every))
     except ImportError:

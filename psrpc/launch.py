@@ -28,7 +28,7 @@ from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
 
 log = logging.getLogger("psrpc")
-TERMINATE_GRACE_S = 5.0
+TERMINATE_GRACE_S = 8.0  # SIGTERM to SIGKILL: room for the chief's final checkpoint
 
 
 class ClusterFailed(PsrpcError):
@@ -122,6 +122,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
             stop.check()
             if deadline is not None and time.monotonic() > deadline:
                 raise ClusterFailed(f"the run did not finish within {timeout_s:.0f} s; stopped it")
+            failed = []
             for name, p in list(running.items()):
                 if p.exitcode is None:
                     continue
@@ -133,7 +134,9 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
                                 name, _describe(p.exitcode))
                     lost.append(name)
                     continue
-                raise ClusterFailed(_failure(name, p.exitcode, errors / f"{name}.err"))
+                failed.append(name)
+            if failed:
+                raise ClusterFailed(_root_cause(failed, procs, errors, lost))
             time.sleep(0.05)
         return lost
     finally:
@@ -148,6 +151,16 @@ def _describe(exitcode: int) -> str:
     if exitcode < 0:
         return f"killed by {signal.Signals(-exitcode).name}"
     return f"exit code {exitcode}"
+
+
+def _root_cause(failed: list[str], procs: dict, errors: Path, lost: list[str]) -> str:
+    """The failure to report: a process that died of a signal (the others usually fail because
+    of it, moments later) before one that raised; a PS before a worker."""
+    time.sleep(0.3)  # let the knock-on failures land, then pick
+    failed += [n for n, p in procs.items()
+               if n not in failed and n not in lost and p.exitcode not in (None, 0)]
+    name = min(failed, key=lambda n: (procs[n].exitcode >= 0, not n.startswith("ps")))
+    return _failure(name, procs[name].exitcode, errors / f"{name}.err")
 
 
 def _failure(name: str, exitcode: int, error_file: Path) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,7 +26,9 @@ log = logging.getLogger("psrpc")
 
 _STOP = threading.Event()
 _GRACEFUL = [True]
+_TERMINATING: list[float] = []  # when SIGTERM/SIGINT arrived
 PING_EVERY_S = 5.0
+TERMINATE_WAIT_S = 8.0  # after SIGTERM, how long a PS or worker waits for the chief's stop
 
 
 def request_stop(graceful: bool) -> None:
@@ -73,16 +76,35 @@ def set_threads(cfg: Config, topo: Topology) -> int:
     return n
 
 
+def _on_terminate(signum, frame) -> None:
+    """First SIGTERM/SIGINT: the chief ends training at the next step with a final checkpoint,
+    the others wait for its stop; a second one exits at once."""
+    if _TERMINATING:
+        os._exit(128 + signum)
+    _TERMINATING.append(time.monotonic())
+    from psrpc import chief
+
+    chief.request_stop()
+
+
+def install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, _on_terminate)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # the local launcher owns Ctrl-C
+        signal.signal(signal.SIGINT, _on_terminate)
+
+
 def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> None:
     """Everything one rank does, from joining the cluster to leaving it."""
     if worker_cls is None:
         from psrpc.worker import Worker as worker_cls
     setup_logging(topo.name, out_dir)
+    install_signal_handlers()
     set_threads(cfg, topo)
     torch.manual_seed(cfg.train.seed)
     comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
               rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
-              threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports)
+              threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
+              attempt=topo.restart_count)
     graceful = False
     try:
         if topo.is_chief:
@@ -130,7 +152,10 @@ def _wait_for_stop(topo: Topology) -> bool:
     """Serve RPCs until the chief says stop; give up if the chief stops answering."""
     from psrpc import chief
 
-    while not _STOP.wait(PING_EVERY_S):
+    while not _STOP.wait(1.0 if _TERMINATING else PING_EVERY_S):
+        if _TERMINATING and time.monotonic() - _TERMINATING[0] > TERMINATE_WAIT_S:
+            log.warning("no stop from the chief %.0f s after the signal; leaving", TERMINATE_WAIT_S)
+            return False
         try:
             comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
         except Exception as e:

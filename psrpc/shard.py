@@ -1,29 +1,55 @@
 """A parameter-server shard: the flat master copy of its part of the model, its optimizer, its
-version (= global steps applied), and the counters the chief reports.
+version (= global steps applied), its checkpoints, and the counters the chief reports.
 
 Created on its PS by the chief with `comm.remote` and used through the RRef. `push_pull` checks a
 push, then hands it to the update rule (`sync.SyncAggregator` or `async_apply.AsyncApplier`).
 Every change to the master copy happens under `self.lock`: in-place tensor ops release the GIL,
 so unlocked accumulation loses updates (DESIGN §8).
+
+Checkpoints are step-consistent by construction: a shard snapshots itself under the lock right
+after the update that brings it to a checkpoint step (every `checkpoint.every_steps`, or a step
+the chief asked for), so every shard saves exactly the same global step with no pause of the
+others; the file is written by a background thread.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 import torch
 
-from psrpc import comm
+from psrpc import checkpoint, comm
 from psrpc.errors import PushRejected
+from psrpc.faults import NoFaults
 from psrpc.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ShardSpec:
+    """Everything the chief sends to create a shard on its PS."""
+
+    index: int
+    params: torch.Tensor  # flat float32: the initial (or restored) master copy
+    optim: Any  # the optim config
+    update: Any  # the update config
+    num_workers: int
+    max_steps: int
+    version: int = 0
+    optim_state: Optional[dict] = None  # restored optimizer state (torch's state_dict form)
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    faults: Any = field(default_factory=NoFaults)
+    stats: Optional[dict] = None  # counters carried over a restore
 
 
 @dataclass
@@ -33,7 +59,8 @@ class Reply:
     version: int  # global steps applied on this shard
     params: torch.Tensor  # flat, wire dtype, a snapshot (never the master copy itself)
     accepted: bool  # False: stale, rejected, or training already finished
-    loss: Optional[float]  # sync: the round's mean loss; async: the applied push's loss
+    finished: bool  # no more updates will be applied: the worker stops
+    loss: Optional[float]  # sync: the last round's mean loss; async: mean of the last W applied
     samples: int  # samples whose gradients this shard has applied so far
     stale_dropped: int  # stale gradients dropped so far
 
@@ -62,26 +89,30 @@ class ShardStats:
 
 
 class Shard:
-    def __init__(self, index: int, params: torch.Tensor, optim_cfg, update_cfg,
-                 num_workers: int, max_steps: int, version: int = 0,
-                 optim_state: Optional[dict] = None):
+    def __init__(self, spec: ShardSpec):
         from psrpc.updates import build_updater  # sync/async registry
 
-        self.index = index
-        self.params = params.to(torch.float32).contiguous()  # CPU, flat: the master copy
+        self.index = spec.index
+        self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
         self.params.grad = torch.zeros_like(self.params)
-        self.optimizer = build_optimizer([self.params], optim_cfg)
-        if optim_state is not None:
-            self.optimizer.load_state_dict(optim_state)
+        self.optimizer = build_optimizer([self.params], spec.optim)
+        if spec.optim_state is not None:
+            self.optimizer.load_state_dict(spec.optim_state)
         self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
-        self.wire_dtype = WIRE_DTYPES[update_cfg.wire_dtype]
-        self.num_workers = num_workers
-        self.max_steps = max_steps
-        self.version = version
+        self.wire_dtype = WIRE_DTYPES[spec.update.wire_dtype]
+        self.num_workers = spec.num_workers
+        self.max_steps = spec.max_steps
+        self.version = spec.version
+        self.faults = spec.faults
         self.lock = threading.Lock()
-        self.stats = ShardStats()
-        self.losses: deque = deque(maxlen=num_workers)  # the last W applied losses
-        self.updater = build_updater(self, update_cfg, num_workers)  # after everything above
+        self.stats = ShardStats(**spec.stats) if spec.stats else ShardStats()
+        self.losses: deque = deque(maxlen=spec.num_workers)  # the last W applied losses
+        self.checkpoint_dir, self.checkpoint_every = spec.checkpoint_dir, spec.checkpoint_every
+        self._save_at: set[int] = set()  # steps the chief asked to have saved
+        self._saves: dict[int, torch.futures.Future] = {}  # step -> file info (None: missed)
+        self._started: set[int] = set()  # steps whose snapshot was taken
+        self._writer: Optional[ThreadPoolExecutor] = None
+        self.updater = build_updater(self, spec.update, spec.num_workers)  # needs all above
 
     # -- the verbs (called through the RRef) -----------------------------------------------------
     @comm.async_execution
@@ -105,9 +136,33 @@ class Shard:
             return self.reply(accepted=False)
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
-        """The float32 master copy and its version (for the chief's final model and checkpoints)."""
+        """The float32 master copy and its version (for the chief's final model)."""
         with self.lock:
             return self.version, self.params.detach().clone()
+
+    @comm.async_execution
+    def request_save(self, step: int):
+        """Future of the file info once step `step` is saved (None if this shard never saves it)."""
+        with self.lock:
+            if not self.checkpoint_dir:
+                return comm.completed(None)
+            if step == self.version:
+                self._start_save(step)
+            elif self.version < step <= self.max_steps:
+                self._save_at.add(step)
+            elif step not in self._saves:  # already past it unsaved, or beyond the last step
+                return comm.completed(None)
+            return self._saves.setdefault(step, torch.futures.Future())
+
+    def freeze(self) -> int:
+        """Stop applying updates (the chief ends training early); returns the final version."""
+        with self.lock:
+            self.max_steps = min(self.max_steps, self.version)
+            ready = self.updater.release()
+            self._resolve_unreachable_saves()
+        for fut, reply in ready:
+            fut.set_result(reply)
+        return self.version
 
     def report(self) -> dict:
         with self.lock:
@@ -124,6 +179,8 @@ class Shard:
 
     def close(self) -> None:
         self.updater.close()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     # -- used by the update rules, under self.lock ------------------------------------------------
     @property
@@ -142,6 +199,12 @@ class Shard:
             for g, lr in zip(self.optimizer.param_groups, self.base_lr):
                 g["lr"] = lr
         self.version += 1
+        self.faults.after_update("ps", self.index, self.version)
+        if self.checkpoint_dir and (self.version in self._save_at or (
+                self.checkpoint_every and self.version % self.checkpoint_every == 0)):
+            self._start_save(self.version)
+        if self.finished:
+            self._resolve_unreachable_saves()
 
     def record_loss(self, loss: float) -> None:
         self.losses.append(loss)
@@ -155,8 +218,40 @@ class Shard:
         # A snapshot: the reply is serialised after the lock is released, while the next
         # update may already be changing the master copy.
         params = self.params.detach().to(self.wire_dtype, copy=True)
-        return Reply(self.version, params, accepted, self.recent_loss if loss is None else loss,
-                     self.stats.samples, self.stats.stale_dropped)
+        return Reply(self.version, params, accepted, self.finished,
+                     self.recent_loss if loss is None else loss, self.stats.samples,
+                     self.stats.stale_dropped)
+
+    # -- checkpoints (under self.lock) ------------------------------------------------------------
+    def _start_save(self, step: int) -> None:
+        if not self.checkpoint_dir or step in self._started:
+            return
+        self._started.add(step)
+        self._save_at.discard(step)
+        fut = self._saves.setdefault(step, torch.futures.Future())
+        state = {"shard": self.index, "version": step, "params": self.params.detach().clone(),
+                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                 "stats": asdict(self.stats)}
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"ps{self.index}-ckpt")
+        self._writer.submit(self._write, state, fut)
+
+    def _write(self, state: dict, fut: torch.futures.Future) -> None:
+        try:
+            info = checkpoint.save_shard(self.checkpoint_dir, state)
+        except Exception as e:  # a failed save must not stop training; the chief skips it
+            log.error("ps%d: could not save step %d: %s", self.index, state["version"], e)
+            info = None
+        if not fut.done():
+            fut.set_result(info)
+
+    def _resolve_unreachable_saves(self) -> None:
+        """Steps past the last one will never be saved: answer whoever waits for them."""
+        for step in [t for t in self._save_at if t > self.max_steps]:
+            self._save_at.discard(step)
+            fut = self._saves.get(step)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
     def _check(self, worker: int, version: int, grad) -> None:
         name = f"ps{self.index}"

@@ -104,5 +104,13 @@ class SyncAggregator:
         if done is not None:
             done[0].set_result(done[1])
 
+    def release(self) -> list:
+        """Training is over: answer the open round's waiters (their gradients are discarded)."""
+        if not self._members:
+            return []
+        done = [(self._future, self.shard.reply(accepted=False))]
+        self._new_round()
+        return done
+
     def close(self) -> None:
         self._watchdog.close()

@@ -27,6 +27,8 @@ class Topology:
     local_rank: int = 0
     local_world_size: int = 1
     launched_by_torchrun: bool = False
+    restart_count: int = 0
+    """torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt of the group."""
 
     @property
     def world_size(self) -> int:
@@ -52,7 +54,8 @@ class Topology:
                 f"cluster.num_ps / cluster.num_workers")
         return cls(**base, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
-                   launched_by_torchrun="TORCHELASTIC_RUN_ID" in env)
+                   launched_by_torchrun="TORCHELASTIC_RUN_ID" in env,
+                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def with_rank(self, rank: int, local_rank: Optional[int] = None) -> "Topology":
         """This topology as seen by one process the local launcher starts."""

@@ -99,7 +99,7 @@ class Worker:
         self.batch = cfg.train.batch_size
         self.batches = GlobalBatches(len(self.data.train), replicas(cfg) * self.batch,
                                      cfg.train.seed)
-        self.faults = build_faults(cfg.fault, "worker", self.index)
+        self.faults = build_faults(cfg.fault, "worker", self.index, topo.restart_count)
         self.stats = WorkerStats()
 
     @classmethod
@@ -122,15 +122,16 @@ class Worker:
         loss.backward()
         return loss.item()
 
-    def run(self, after_step: Callable[[Reply, float], None] = lambda reply, push_s: None) -> None:
-        """Train until the global step reaches train.steps. `after_step` is the chief's hook."""
-        versions = self.load(self.client.pull())
-        steps = self.cfg.train.steps
-        while versions[0] < steps:
+    def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
+        """Train until the shards say training is finished. `after_step` is the chief's hook;
+        it returns True to end training early."""
+        replies = self.client.pull()
+        versions = self.load(replies)
+        while not replies[0].finished:
             t0 = time.perf_counter()
             loss = self.compute(versions[0])
-            self.faults.before_push(versions[0])
             grads = [self.flat.grad_to_send(k) for k in range(len(versions))]
+            self.faults.before_push(versions[0], grads)
             t1 = time.perf_counter()
             replies = self.client.push_pull(versions, grads, loss, self.batch)
             t2 = time.perf_counter()
@@ -139,7 +140,8 @@ class Worker:
             self.stats.accepted += int(replies[0].accepted)
             self.stats.compute_s += t1 - t0
             self.stats.push_s += t2 - t1
-            after_step(replies[0], t2 - t1)
+            if after_step(replies[0], t2 - t1, loss):
+                break
 
 
 def _first_line(e: BaseException) -> str:

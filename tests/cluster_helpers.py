@@ -25,7 +25,7 @@ class IntegerGradWorker(Worker):
                 p.copy_(torch.round(p * 10))
         return model
 
-    def run(self, after_step=lambda reply, push_s: None) -> None:
+    def run(self, after_step=lambda *a: False) -> None:
         versions = self.load(self.client.pull())
         numels = self.flat.layout.shard_numel
         for s in range(self.ROUNDS):
@@ -34,7 +34,7 @@ class IntegerGradWorker(Worker):
             versions = self.load(replies)
             self.stats.pushes += 1
             self.stats.accepted += int(all(r.accepted for r in replies))
-            after_step(replies[0], 0.0)
+            after_step(replies[0], 0.0, 0.0)
 
 
 class FailingWorker(Worker):

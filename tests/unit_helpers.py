@@ -3,7 +3,7 @@
 import torch
 
 from psrpc.config import AdamConfig, AsyncUpdateConfig, SGDConfig, SyncUpdateConfig
-from psrpc.shard import Shard
+from psrpc.shard import Shard, ShardSpec
 
 
 def sgd(lr=1.0, momentum=0.0, weight_decay=0.0):
@@ -23,9 +23,9 @@ def asynch(max_staleness=None, staleness_lr=False, timeout_s=30.0, wire="float32
                              timeout_s=timeout_s, wire_dtype=wire)
 
 
-def make_shard(update, optim=None, workers=2, n=4, steps=1000, start=None):
+def make_shard(update, optim=None, workers=2, n=4, steps=1000, start=None, **spec):
     params = torch.zeros(n) if start is None else start.clone()
-    return Shard(0, params, optim or sgd(), update, workers, steps)
+    return Shard(ShardSpec(0, params, optim or sgd(), update, workers, steps, **spec))
 
 
 def push(shard, worker, version, grad, loss=1.0, samples=1):

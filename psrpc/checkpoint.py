@@ -1,0 +1,170 @@
+"""Checkpoints: one file per shard, written by its PS, and a manifest written last by the chief.
+
+    checkpoint.dir/step-N/shard-K.pt      {"format", "shard", "version", "params", "optimizer"}
+    checkpoint.dir/step-N/manifest.json   the commit point: step, layout, every file's size/sha256
+
+Files go to a temporary name, then are renamed. Restore takes the newest step whose manifest and
+files all check out (a truncated, unreadable or uncommitted step is skipped with a warning naming
+the file), loads with weights_only=True, and re-splits for any number of PS: parameters and the
+optimizer's per-element state are joined by the saved layout and split by the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from psrpc.errors import PsrpcError
+from psrpc.layout import Layout
+
+log = logging.getLogger("psrpc")
+FORMAT = "psrpc-checkpoint-1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d+)$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- PS side ---------------------------------------------------------------------------------
+def save_shard(root: Path, state: dict) -> dict:
+    """Write one shard's state (already a snapshot); returns what the manifest records."""
+    folder = step_dir(root, state["version"])
+    folder.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, **state}, buf)
+    data = buf.getvalue()
+    name = f"shard-{state['shard']}.pt"
+    _write_atomic(folder / name, data)
+    return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+# -- chief side ------------------------------------------------------------------------------
+def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], extra: dict) -> None:
+    manifest = {"format": FORMAT, "step": step, "num_shards": layout.num_shards,
+                "layout": layout.to_dict(), "files": files, **extra}
+    _write_atomic(step_dir(root, step) / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def steps_on_disk(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) for every step-N folder, newest first."""
+    if not Path(root).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(root).iterdir()
+             if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def prune(root: Path, keep: int, committed: int) -> None:
+    """Keep the newest `keep` committed checkpoints; drop uncommitted ones older than `committed`."""
+    kept = 0
+    for step, folder in steps_on_disk(root):
+        complete = (folder / MANIFEST).exists()
+        if complete and kept < keep:
+            kept += 1
+            continue
+        if complete or step < committed:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass
+class Restored:
+    step: int
+    layout: Layout
+    shards: list[dict]  # per saved shard: {"params": flat, "optimizer": state_dict, ...}
+    manifest: dict
+
+
+def _load_step(folder: Path) -> Restored:
+    """Load and verify one step; raises ValueError naming the bad file."""
+    mpath = folder / MANIFEST
+    if not mpath.exists():
+        raise ValueError(f"{mpath} is missing (the checkpoint was never committed)")
+    try:
+        manifest = json.loads(mpath.read_text())
+        layout = Layout.from_dict(manifest["layout"])
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{mpath} is unreadable ({e})") from None
+    shards = []
+    for k, entry in enumerate(files):
+        path = folder / entry["file"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"{path} is unreadable ({e.strerror})") from None
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise ValueError(f"{path} is truncated or corrupt ({len(data)} bytes, manifest says "
+                             f"{entry['bytes']})")
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{path} is unreadable ({type(e).__name__})") from None
+        if state.get("shard") != k or state["params"].numel() != layout.shard_numel[k]:
+            raise ValueError(f"{path} does not match the manifest's layout")
+        shards.append(state)
+    return Restored(manifest["step"], layout, shards, manifest)
+
+
+def find_latest(root: Optional[str]) -> Optional[Restored]:
+    """The newest complete checkpoint under `root`, or None; bad ones are skipped with a warning."""
+    if not root:
+        return None
+    for step, folder in steps_on_disk(Path(root)):
+        try:
+            return _load_step(folder)
+        except ValueError as e:
+            log.warning("checkpoint step %d skipped: %s", step, e)
+    return None
+
+
+def reshard(restored: Restored, shapes: dict, num_shards: int, max_shard_bytes: int,
+            fresh_optimizer_state: dict) -> tuple[Layout, list[torch.Tensor], list[dict]]:
+    """Re-split a checkpoint made with P shards into the layout for `num_shards` PS.
+
+    Returns the new layout, the flat params per shard, and each shard's optimizer state
+    (torch's state_dict form; hyperparameters come from the current config)."""
+    old = restored.layout
+    if dict(old.shapes) != {n: tuple(s) for n, s in shapes.items()}:
+        diff = sorted(set(old.shapes) ^ set(shapes)) or [
+            n for n in shapes if tuple(shapes[n]) != old.shapes.get(n)]
+        raise PsrpcError(f"checkpoint step-{restored.step} was made for another model "
+                         f"(parameters differ: {diff[:3]}); use another checkpoint.dir")
+    new = Layout.plan(shapes, num_shards, max_shard_bytes)
+    params = new.split(old.join([s["params"] for s in restored.shards]))
+    saved_states = [s["optimizer"]["state"].get(0, {}) for s in restored.shards]
+    per_shard: list[dict] = [{} for _ in range(num_shards)]
+    for key, value in saved_states[0].items():
+        if torch.is_tensor(value) and value.numel() == old.shard_numel[0] and value.dim() == 1:
+            flats = new.split(old.join([s[key] for s in saved_states]))  # per-element state
+            for k in range(num_shards):
+                per_shard[k][key] = flats[k]
+        else:  # scalars (Adam's step): the same on every shard
+            for k in range(num_shards):
+                per_shard[k][key] = value.clone() if torch.is_tensor(value) else value
+    states = []
+    for k in range(num_shards):
+        sd = {"state": {0: per_shard[k]} if per_shard[k] else {},
+              "param_groups": fresh_optimizer_state["param_groups"]}
+        states.append(sd)
+    return new, params, states
