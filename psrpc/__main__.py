@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+
+# TensorPipe logs every closed pipe at WARNING from C++ when a peer dies or leaves: noise on paths
+# psrpc handles. Read once when torch loads; TORCH_CPP_LOG_LEVEL=WARNING brings them back.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 from pathlib import Path
 
 import hydra

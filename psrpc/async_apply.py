@@ -81,9 +81,9 @@ class AsyncApplier:
             shard.stats.stale(worker)
             reply = shard.reply(accepted=False)
         else:
-            shard.apply(grad, 1.0 / (staleness + 1) if self.staleness_lr else 1.0)
-            shard.stats.applied(worker, int(samples), staleness)
+            shard.stats.applied(worker, int(samples), staleness)  # before a checkpoint in apply()
             shard.record_loss(float(loss))
+            shard.apply(grad, 1.0 / (staleness + 1) if self.staleness_lr else 1.0)
             reply = shard.reply(accepted=True, loss=shard.recent_loss)
         self.base[worker] = reply.version
         return reply

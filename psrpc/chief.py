@@ -150,7 +150,7 @@ class Chief:
         extra = [saver] if saver else []
         extra += [_instantiate(h) for h in self.cfg.hooks]
         self.hooks = Hooks(default_hooks(self.out_dir, self.cfg) + extra)
-        self.hooks.begin(self.cfg.train.steps)
+        self.hooks.begin(start, self.cfg.train.steps)
         t_train = time.perf_counter()
         worker.run(self.after_step)
         wall_s = time.perf_counter() - t_train

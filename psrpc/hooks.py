@@ -1,9 +1,9 @@
 """Hooks on the chief: the users' extension point, as TensorFlow's SessionRunHook.
 
 A hook sees the run begin, every global step the chief observes, and the end. Built in: MetricsLog
-(progress line + metrics.jsonl), NanGuard, TensorBoard (when installed), Throughput, StopAtStep,
-and the checkpoint saver (psrpc/saver.py). Add your own from the command line:
-`python -m psrpc '+hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 100}]'`.
+(progress line, metrics.jsonl, TensorBoard scalars when installed), NanGuard, Throughput,
+StopAtStep, and the checkpoint saver (psrpc/saver.py). Add your own from the command line:
+`python -m psrpc 'hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 100}]'`.
 
 
     class MyHook(psrpc.hooks.Hook):
@@ -42,8 +42,8 @@ class StepInfo:
 
 
 class Hook:
-    def begin(self, total_steps: int) -> None:
-        pass
+    def begin(self, start_step: int, total_steps: int) -> None:
+        """Training starts at global step `start_step` (> 0 after a restore)."""
 
     def after_step(self, info: StepInfo) -> None:
         pass
@@ -58,9 +58,9 @@ class Hooks(Hook):
     def __init__(self, hooks: list[Hook]):
         self.hooks = hooks
 
-    def begin(self, total_steps: int) -> None:
+    def begin(self, start_step: int, total_steps: int) -> None:
         for h in self.hooks:
-            h.begin(total_steps)
+            h.begin(start_step, total_steps)
 
     def after_step(self, info: StepInfo) -> None:
         for h in self.hooks:
@@ -94,21 +94,29 @@ class Throughput(Hook):
 
 
 class MetricsLog(Hook):
-    """Every `log_every` global steps: one console line and one metrics.jsonl record."""
+    """Every `log_every` global steps (and at the last): one console line, one metrics.jsonl
+    record, and the same scalars for TensorBoard under out_dir/tensorboard when installed."""
 
     def __init__(self, out_dir: Path, log_every: int):
-        self.path = Path(out_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.log_every = log_every
         self._file = None
+        self._tb = None
         self._window: list[StepInfo] = []
         self._last: Optional[StepInfo] = None
         self._next = log_every
         self._total = 0
 
-    def begin(self, total_steps: int) -> None:
+    def begin(self, start_step: int, total_steps: int) -> None:
         self._total = total_steps
-        self._file = open(self.path, "a", buffering=1)
+        self._next = (start_step // self.log_every + 1) * self.log_every
+        self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # a restart appends
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            return
+        self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_step + 1)
 
     def after_step(self, info: StepInfo) -> None:
         self._window.append(info)
@@ -116,23 +124,31 @@ class MetricsLog(Hook):
             return
         prev = self._last or self._window[0]
         dt = info.time - prev.time
-        rate = (info.samples - prev.samples) / dt if dt > 0 else 0.0
-        steps_per_s = (info.step - prev.step) / dt if dt > 0 else 0.0
-        push_ms = sum(w.push_ms for w in self._window) / len(self._window)
         record = {"step": info.step, "loss": info.loss, "samples": info.samples,
-                  "samples_per_s": round(rate, 2), "steps_per_s": round(steps_per_s, 3),
-                  "push_ms": round(push_ms, 3),
+                  "samples_per_s": round((info.samples - prev.samples) / dt, 2) if dt > 0 else 0.0,
+                  "steps_per_s": round((info.step - prev.step) / dt, 3) if dt > 0 else 0.0,
+                  "push_ms": round(sum(w.push_ms for w in self._window) / len(self._window), 3),
                   "stale_dropped": info.stale_dropped}
         self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key in ("loss", "samples_per_s", "steps_per_s", "push_ms", "stale_dropped"):
+                if record[key] is not None:
+                    self._tb.add_scalar(key, record[key], info.step)
         loss = f"{info.loss:.4f}" if info.loss is not None else "   n/a"
         log.info("step %5d/%d | loss %s | %8.1f samples/s | push %6.1f ms | stale %d",
-                 info.step, self._total, loss, rate, push_ms, info.stale_dropped)
+                 info.step, self._total, loss, record["samples_per_s"], record["push_ms"],
+                 info.stale_dropped)
         self._window, self._last = [], info
         self._next = (info.step // self.log_every + 1) * self.log_every
 
     def end(self, summary: dict) -> None:
         if self._file:
             self._file.close()
+        if self._tb is not None:
+            for key in ("test_accuracy", "samples_per_s", "final_loss"):
+                if summary.get(key) is not None:
+                    self._tb.add_scalar(f"summary/{key}", summary[key], summary["steps"])
+            self._tb.close()
 
 
 class StopAtStep(Hook):
@@ -164,36 +180,6 @@ class NanGuard(Hook):
                              "optim.lr or check the data")
 
 
-class TensorBoard(Hook):
-    """Scalars for TensorBoard under out_dir/tensorboard, when `tensorboard` is installed."""
-
-    def __init__(self, out_dir: Path, log_every: int):
-        from torch.utils.tensorboard import SummaryWriter  # ImportError without tensorboard
-
-        self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
-        self.log_every = log_every
-        self._next = log_every
-
-    def after_step(self, info: StepInfo) -> None:
-        if info.step >= self._next:
-            if info.loss is not None:
-                self.writer.add_scalar("loss", info.loss, info.step)
-            self.writer.add_scalar("push_ms", info.push_ms, info.step)
-            self.writer.add_scalar("stale_dropped", info.stale_dropped, info.step)
-            self._next = (info.step // self.log_every + 1) * self.log_every
-
-    def end(self, summary: dict) -> None:
-        for key in ("test_accuracy", "samples_per_s", "final_loss"):
-            if summary.get(key) is not None:
-                self.writer.add_scalar(f"summary/{key}", summary[key], summary["steps"])
-        self.writer.close()
-
-
 def default_hooks(out_dir: Path, cfg) -> list[Hook]:
-    """What every run gets: progress/metrics, the NaN guard, TensorBoard when installed."""
-    hooks: list[Hook] = [MetricsLog(out_dir, cfg.train.log_every), NanGuard()]
-    try:
-        hooks.append(TensorBoard(out_dir, cfg.train.log_every))
-    except ImportError:
-        pass
-    return hooks
+    """What every run gets: progress line, metrics.jsonl and TensorBoard, and the NaN guard."""
+    return [MetricsLog(out_dir, cfg.train.log_every), NanGuard()]

@@ -28,7 +28,8 @@ from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
 
 log = logging.getLogger("psrpc")
-TERMINATE_GRACE_S = 8.0  # SIGTERM to SIGKILL: room for the chief's final checkpoint
+SIGNAL_GRACE_S = 8.0  # user's SIGTERM/SIGINT: room for the chief's final checkpoint
+FAILURE_GRACE_S = 2.0  # a rank failed: nothing to save consistently, end quickly
 
 
 class ClusterFailed(PsrpcError):
@@ -91,6 +92,8 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cl
 
 
 def _context():
+    # As in __main__: quiet TensorPipe's C++ warnings; read when the forkserver imports torch.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker"])
     return ctx
@@ -102,6 +105,9 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
 
     `worker_cls` replaces `psrpc.worker.Worker` on every worker (a module-level class: it is
     pickled by reference), e.g. to push known gradients in a test."""
+    from psrpc.process import setup_logging
+
+    setup_logging("launcher", None)
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg))
     ctx = _context()
@@ -130,7 +136,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
                 if p.exitcode == 0:
                     continue
                 if p.exitcode < 0 and name.startswith("worker") and name != topo.chief_name:
-                    log.warning("[launcher] %s died (%s); the others go on without it",
+                    log.warning("%s died (%s); the others go on without it",
                                 name, _describe(p.exitcode))
                     lost.append(name)
                     continue
@@ -141,7 +147,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
         return lost
     finally:
         stop.restore()
-        _terminate(procs.values())
+        _terminate(procs.values(), SIGNAL_GRACE_S if stop.received else FAILURE_GRACE_S)
         for f in errors.glob("*"):
             f.unlink()
         errors.rmdir()
@@ -169,12 +175,12 @@ def _failure(name: str, exitcode: int, error_file: Path) -> str:
     return f"{name} died ({_describe(exitcode)})"
 
 
-def _terminate(procs) -> None:
-    """SIGTERM every live child, then SIGKILL what is left after a grace period."""
+def _terminate(procs, grace_s: float) -> None:
+    """SIGTERM every live child, then SIGKILL what is left after `grace_s`."""
     alive = [p for p in procs if p.pid is not None and p.exitcode is None]
     for p in alive:
         p.terminate()
-    deadline = time.monotonic() + TERMINATE_GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in alive:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in alive:

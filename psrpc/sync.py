@@ -79,12 +79,12 @@ class SyncAggregator:
         """Average, step, reply. Caller holds the lock; returns (future, reply) to complete."""
         shard = self.shard
         count = len(self._members)
-        shard.apply(self._sum.div_(count))
-        for w in self._members:
+        for w in self._members:  # counters first: a checkpoint taken in apply() includes them
             shard.stats.applied(w, 0)
         shard.stats.samples += self._samples
         loss = sum(self._losses) / count
         shard.record_loss(loss)
+        shard.apply(self._sum.div_(count))
         reply = shard.reply(accepted=True, loss=loss)
         future = self._future
         self._new_round()

@@ -44,3 +44,14 @@ class FailingWorker(Worker):
         if self.index == 1 and step == 5:
             raise RuntimeError("worker1 hit a bug at step 5")
         return super().compute(step)
+
+
+class SlowChiefWorker(Worker):
+    """The chief takes far too long to build its model: the others must time out, not hang."""
+
+    @classmethod
+    def build_model(cls, cfg, dataset):
+        import time
+
+        time.sleep(60)
+        return super().build_model(cfg, dataset)

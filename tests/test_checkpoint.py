@@ -1,0 +1,102 @@
+"""Checkpoint files, the manifest commit point, corrupt-file handling and re-sharding (no RPC)."""
+
+import logging
+
+import pytest
+import torch
+
+from psrpc import checkpoint
+from psrpc.layout import Layout
+from tests.unit_helpers import adam, make_shard, push, sgd, sync
+
+SHAPES = {"w": (40, 5), "b": (40,), "v": (7, 3)}
+
+
+def _saved_run(root, num_shards, steps=6, every=3, optim=None):
+    """Train `num_shards` shards side by side for `steps` rounds, saving every `every`."""
+    layout = Layout.plan(SHAPES, num_shards, max_shard_bytes=400)
+    g = torch.Generator().manual_seed(0)
+    start = layout.split({n: torch.randn(s, generator=g) for n, s in SHAPES.items()})
+    shards = [make_shard(sync(), optim or sgd(lr=0.1, momentum=0.9), workers=1, start=start[k],
+                         n=start[k].numel(), checkpoint_dir=str(root), checkpoint_every=every)
+              for k in range(num_shards)]
+    for k, sh in enumerate(shards):
+        sh.index = k
+    for step in range(steps):
+        grads = layout.split({n: torch.full(s, float(step + 1)) for n, s in SHAPES.items()})
+        for sh, gr in zip(shards, grads):
+            push(sh, 0, step, gr).wait()
+    for target in range(every, steps + 1, every):
+        infos = [sh.request_save(target).wait() for sh in shards]
+        checkpoint.write_manifest(root, target, layout, infos, {"optim": "sgd"})
+    for sh in shards:
+        sh.close()
+    return layout, shards
+
+
+def test_shards_save_at_every_steps_and_manifest_commits(tmp_path):
+    _saved_run(tmp_path, 2)
+    assert [s for s, _ in checkpoint.steps_on_disk(tmp_path)] == [6, 3]
+    r = checkpoint.find_latest(str(tmp_path))
+    assert r.step == 6 and len(r.shards) == 2
+    assert "momentum_buffer" in r.shards[0]["optimizer"]["state"][0]
+
+
+def test_uncommitted_step_skipped_with_warning_naming_the_file(tmp_path, caplog):
+    _saved_run(tmp_path, 2)
+    (checkpoint.step_dir(tmp_path, 6) / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.find_latest(str(tmp_path)).step == 3
+    assert "step-6/manifest.json is missing" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
+def test_damaged_shard_file_skipped_older_checkpoint_used(tmp_path, caplog, damage):
+    _saved_run(tmp_path, 2)
+    f = checkpoint.step_dir(tmp_path, 6) / "shard-1.pt"
+    if damage == "truncate":
+        f.write_bytes(f.read_bytes()[:100])
+    elif damage == "garbage":
+        f.write_bytes(b"x" * f.stat().st_size)
+    else:
+        f.unlink()
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.find_latest(str(tmp_path)).step == 3
+    assert str(f) in caplog.text
+
+
+def test_prune_keeps_newest_and_drops_stale_partials(tmp_path):
+    _saved_run(tmp_path, 1, steps=12, every=3)
+    (tmp_path / "step-1").mkdir()  # an abandoned, uncommitted save
+    checkpoint.prune(tmp_path, keep=2, committed=12)
+    assert [s for s, _ in checkpoint.steps_on_disk(tmp_path)] == [12, 9]
+
+
+@pytest.mark.parametrize("optim", [sgd(lr=0.1, momentum=0.9), adam()])
+@pytest.mark.parametrize("to_shards", [1, 3])
+def test_reshard_keeps_params_and_optimizer_state(tmp_path, optim, to_shards):
+    layout, shards = _saved_run(tmp_path, 2, optim=optim)
+    r = checkpoint.find_latest(str(tmp_path))
+    fresh = make_shard(sync(), optim).optimizer.state_dict()
+    new_layout, params, states = checkpoint.reshard(r, SHAPES, to_shards, 400, fresh)
+    assert new_layout.num_shards == to_shards
+    named = new_layout.join(params)
+    want = layout.join([s.params for s in shards])
+    for n in SHAPES:
+        assert torch.equal(named[n], want[n])
+    for key, value in shards[0].optimizer.state[shards[0].params].items():
+        if value.dim() == 1:  # per-element state follows the parameters
+            got = new_layout.join([s["state"][0][key] for s in states])
+            exp = layout.join([sh.optimizer.state[sh.params][key] for sh in shards])
+            for n in SHAPES:
+                assert torch.equal(got[n], exp[n])
+        else:
+            assert all(torch.equal(s["state"][0][key], value) for s in states)
+
+
+def test_checkpoint_for_another_model_is_refused(tmp_path):
+    _saved_run(tmp_path, 1)
+    r = checkpoint.find_latest(str(tmp_path))
+    fresh = make_shard(sync()).optimizer.state_dict()
+    with pytest.raises(Exception, match="made for another model"):
+        checkpoint.reshard(r, {"w": (41, 5), "b": (40,), "v": (7, 3)}, 1, 400, fresh)

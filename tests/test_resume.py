@@ -1,0 +1,53 @@
+"""Exact resume over real clusters: a run stopped at 40 and rerun to 60 equals 60 uninterrupted,
+and a checkpoint made with 2 PS restores into 1 or 3 PS."""
+
+import shutil
+
+import pytest
+
+from tests.conftest import assert_same_model, run_cluster
+
+pytestmark = pytest.mark.timeout(300)
+CKPT = ["checkpoint.every_steps=10"]
+
+
+@pytest.mark.parametrize("mode", [
+    ["update=sync", "cluster.num_workers=2"],
+    ["update=async", "cluster.num_workers=1"],
+])
+def test_40_then_60_equals_60_uninterrupted(tmp_path, mode):
+    ck = f"checkpoint.dir={tmp_path / 'ck'}"
+    whole = run_cluster(tmp_path / "whole", mode + ["train.steps=60"])
+    first = run_cluster(tmp_path / "first", mode + CKPT + [ck, "train.steps=40"])
+    assert first[0]["restored_from_step"] is None
+    second = run_cluster(tmp_path / "second", mode + CKPT + [ck, "train.steps=60"])
+    assert second[0]["restored_from_step"] == 40 and second[0]["steps"] == 60
+    assert second[0]["samples"] == whole[0]["samples"]  # counters carried over
+    assert_same_model(second[1], whole[1])
+
+
+def test_checkpoint_from_2_ps_restores_into_1_and_3(tmp_path):
+    mode = ["cluster.num_workers=2", "cluster.max_shard_bytes=60000"]  # split tensors too
+    whole = run_cluster(tmp_path / "whole", mode + ["train.steps=60"])
+    run_cluster(tmp_path / "first", mode + CKPT + [f"checkpoint.dir={tmp_path / 'ck2'}",
+                                                  "cluster.num_ps=2", "train.steps=40"])
+    for ps in (1, 3):
+        ck = tmp_path / f"ck{ps}"
+        shutil.copytree(tmp_path / "ck2", ck)
+        summary, state = run_cluster(tmp_path / f"to{ps}", mode + CKPT + [
+            f"checkpoint.dir={ck}", f"cluster.num_ps={ps}", "train.steps=60"])
+        assert summary["restored_from_step"] == 40 and summary["num_ps"] == ps
+        assert_same_model(state, whole[1])
+
+
+def test_truncated_newest_shard_file_restores_previous_with_warning(tmp_path):
+    ck = tmp_path / "ck"
+    run_cluster(tmp_path / "first", CKPT + [f"checkpoint.dir={ck}", "train.steps=40",
+                                            "cluster.num_ps=2"])
+    bad = ck / "step-40" / "shard-1.pt"
+    bad.write_bytes(bad.read_bytes()[:1000])
+    summary, _ = run_cluster(tmp_path / "second", CKPT + [f"checkpoint.dir={ck}",
+                                                          "train.steps=50", "cluster.num_ps=2"])
+    assert summary["restored_from_step"] == 30 and summary["steps"] == 50
+    log = (tmp_path / "second" / "logs" / "worker0.log").read_text()
+    assert f"checkpoint step 40 skipped: {bad} is truncated or corrupt" in log
