@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from psrpc.config import register_configs, resolve_paths, to_config, validate
 from psrpc.errors import PsrpcError
+from psrpc.pipeline import check_model_parallel
 from psrpc.topology import Topology
 
 
@@ -54,8 +55,10 @@ def main(dcfg: DictConfig) -> None:
         cfg = to_config(dcfg)
         resolve_paths(cfg)
         validate(cfg)
+        check_model_parallel(cfg)
         out_dir = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
-        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers)
+        stages = cfg.parallel.stages if cfg.parallel.name == "model" else 1
+        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages)
         if topo.rank is None:
             from psrpc.launch import launch
 

@@ -54,7 +54,7 @@ class AsyncApplier:
         self._held: list[_Held] = []
         self._seq = itertools.count()
         self._watchdog = (Watchdog(self._release_overdue, min(0.1, self.timeout_s / 10),
-                                   f"ps{shard.index}-staleness-gate") if self.gate else None)
+                                   f"{shard.name}-staleness-gate") if self.gate else None)
 
     def push(self, worker: int, version: int, grad: torch.Tensor, loss: float, samples: int):
         shard = self.shard
@@ -106,8 +106,8 @@ class AsyncApplier:
             if blockers:
                 if not (overdue and time.monotonic() - head.since > self.timeout_s):
                     break
-                log.warning("ps%d: worker%d's push waited %.1f s (update.timeout_s) for %s; "
-                            "going on without them", self.shard.index, head.worker,
+                log.warning("%s: worker%d's push waited %.1f s (update.timeout_s) for %s; "
+                            "going on without them", self.shard.name, head.worker,
                             self.timeout_s, ", ".join(f"worker{w}" for w in blockers))
                 self.live.lose(blockers)
             self._held.pop(0)

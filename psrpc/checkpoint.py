@@ -138,33 +138,29 @@ def find_latest(root: Optional[str]) -> Optional[Restored]:
     return None
 
 
-def reshard(restored: Restored, shapes: dict, num_shards: int, max_shard_bytes: int,
-            fresh_optimizer_state: dict) -> tuple[Layout, list[torch.Tensor], list[dict]]:
-    """Re-split a checkpoint made with P shards into the layout for `num_shards` PS.
+def reshard(restored: Restored, new: Layout,
+            fresh_optimizer_state: dict) -> tuple[list[torch.Tensor], list[dict]]:
+    """Re-split a checkpoint made with one layout (any number of PS) into layout `new`.
 
-    Returns the new layout, the flat params per shard, and each shard's optimizer state
-    (torch's state_dict form; hyperparameters come from the current config)."""
+    Returns the flat params per new shard and each one's optimizer state (torch's state_dict
+    form; hyperparameters come from the current config)."""
     old = restored.layout
-    if dict(old.shapes) != {n: tuple(s) for n, s in shapes.items()}:
-        diff = sorted(set(old.shapes) ^ set(shapes)) or [
-            n for n in shapes if tuple(shapes[n]) != old.shapes.get(n)]
+    if dict(old.shapes) != dict(new.shapes):
+        diff = sorted(set(old.shapes) ^ set(new.shapes)) or [
+            n for n in new.shapes if new.shapes[n] != old.shapes.get(n)]
         raise PsrpcError(f"checkpoint step-{restored.step} was made for another model "
                          f"(parameters differ: {diff[:3]}); use another checkpoint.dir")
-    new = Layout.plan(shapes, num_shards, max_shard_bytes)
     params = new.split(old.join([s["params"] for s in restored.shards]))
-    saved_states = [s["optimizer"]["state"].get(0, {}) for s in restored.shards]
-    per_shard: list[dict] = [{} for _ in range(num_shards)]
-    for key, value in saved_states[0].items():
-        if torch.is_tensor(value) and value.numel() == old.shard_numel[0] and value.dim() == 1:
-            flats = new.split(old.join([s[key] for s in saved_states]))  # per-element state
-            for k in range(num_shards):
+    saved = [s["optimizer"]["state"].get(0, {}) for s in restored.shards]
+    per_shard: list[dict] = [{} for _ in range(new.num_shards)]
+    for key, value in saved[0].items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old.shard_numel[0]:
+            flats = new.split(old.join([s[key] for s in saved]))  # per-element state
+            for k in range(new.num_shards):
                 per_shard[k][key] = flats[k]
         else:  # scalars (Adam's step): the same on every shard
-            for k in range(num_shards):
+            for k in range(new.num_shards):
                 per_shard[k][key] = value.clone() if torch.is_tensor(value) else value
-    states = []
-    for k in range(num_shards):
-        sd = {"state": {0: per_shard[k]} if per_shard[k] else {},
-              "param_groups": fresh_optimizer_state["param_groups"]}
-        states.append(sd)
-    return new, params, states
+    states = [{"state": {0: st} if st else {}, "param_groups": fresh_optimizer_state["param_groups"]}
+              for st in per_shard]
+    return params, states

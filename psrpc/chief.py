@@ -25,6 +25,7 @@ from psrpc.faults import build_faults
 from psrpc.hooks import Hooks, StepInfo, Throughput, default_hooks
 from psrpc.layout import Layout
 from psrpc.optim import build_optimizer
+from psrpc.pipeline import cut_points, stage_shapes
 from psrpc.saver import build_saver
 from psrpc.shard import Reply, Shard, ShardSpec
 from psrpc.topology import Topology
@@ -71,47 +72,54 @@ class Chief:
     # -- start ---------------------------------------------------------------------------------
     def initialise(self):
         """Build the model (seeded) or restore the newest checkpoint, create the shards on the
-        PS, hand the plan to the workers."""
+        PS (per pipeline stage in model-parallel mode), hand the plan to the workers."""
         cfg, topo = self.cfg, self.topo
         try:
             torch.manual_seed(cfg.train.seed)
             dataset = load_dataset(cfg.data, cfg.train.seed)
             model = self.worker_cls.build_model(cfg, dataset)
             named = {n: p.detach() for n, p in model.named_parameters()}
-            shapes = {n: tuple(p.shape) for n, p in named.items()}
+            cuts = ([0] if cfg.parallel.name == "data" else
+                    cut_points(model, cfg.parallel.stages, cfg.parallel.split))
+            shapes = ([{n: tuple(p.shape) for n, p in named.items()}] if len(cuts) == 1
+                      else stage_shapes(model, cuts))
+            layouts = [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes) for sh in shapes]
+            layout = Layout.concat(layouts)
             restored = checkpoint.find_latest(cfg.checkpoint.dir)
             if restored is None:
-                layout = Layout.plan(shapes, topo.num_ps, cfg.cluster.max_shard_bytes)
-                flats, states, version = layout.split(named), [None] * topo.num_ps, 0
+                flats, states, version = layout.split(named), [None] * layout.num_shards, 0
             else:
                 self._check_restorable(restored)
                 fresh = build_optimizer([torch.zeros(1)], cfg.optim).state_dict()
-                layout, flats, states = checkpoint.reshard(
-                    restored, shapes, topo.num_ps, cfg.cluster.max_shard_bytes, fresh)
+                flats, states = checkpoint.reshard(restored, layout, fresh)
                 version = restored.step
                 log.info("restored step %d from %s (%d shard(s) -> %d)", version,
                          checkpoint.step_dir(cfg.checkpoint.dir, version),
-                         restored.layout.num_shards, topo.num_ps)
-            specs = [ShardSpec(k, flats[k], cfg.optim, cfg.update, topo.num_workers,
-                               cfg.train.steps, version, states[k], cfg.checkpoint.dir,
-                               cfg.checkpoint.every_steps,
-                               build_faults(cfg.fault, "ps", k, topo.restart_count))
-                     for k in range(topo.num_ps)]
-            if restored is not None:
-                for spec, saved in zip(specs, _stats_for(restored, topo.num_ps)):
-                    spec.stats = saved
-            shards = [comm.remote(topo.ps_names[k], Shard, args=(specs[k],))
-                      for k in range(topo.num_ps)]
+                         restored.layout.num_shards, layout.num_shards)
+            stats = _stats_for(restored)
+            shards = []
+            for g in range(layout.num_shards):  # shard g = stage g // P on ps{g % P}
+                stage, k = divmod(g, topo.num_ps)
+                name = f"ps{k}" if len(cuts) == 1 else f"ps{k}/stage{stage}"
+                spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas,
+                                 cfg.train.steps, version, states[g], cfg.checkpoint.dir,
+                                 cfg.checkpoint.every_steps,
+                                 build_faults(cfg.fault, "ps", k, topo.restart_count), stats, name)
+                shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
             for rref in shards:  # surface a constructor's error here
                 comm.invoke(rref, "report").wait()
-            self.plan = Plan(layout, shards, restored.step if restored else None)
+            P = topo.num_ps
+            self.plan = Plan(layouts, [shards[s * P:(s + 1) * P] for s in range(len(cuts))], cuts,
+                             restored.step if restored else None)
         except Exception as e:
             _PLAN.set_exception(PsrpcError(f"the chief failed to initialise: {e}"))
             raise
         _PLAN.set_result(self.plan)
-        log.info("%d parameters in %d shard(s) of %s elements; %d workers, update=%s",
+        log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
                  sum(layout.shard_numel), layout.num_shards,
-                 "/".join(str(n) for n in layout.shard_numel), topo.num_workers, cfg.update.name)
+                 "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
+                 f" ({topo.replicas} replicas × {len(cuts)} stages, cuts {cuts})"
+                 if len(cuts) > 1 else "", cfg.update.name)
         return model, dataset
 
     def _check_restorable(self, restored: checkpoint.Restored) -> None:
@@ -137,7 +145,7 @@ class Chief:
     def stop_early(self, step: int) -> None:
         """Freeze every shard where it is; workers get 'finished' at their next push."""
         self.stopped_early = True
-        versions = [f.wait() for f in [comm.invoke(r, "freeze") for r in self.plan.shards]]
+        versions = [f.wait() for f in [comm.invoke(r, "freeze") for r in self.plan.all_shards]]
         log.warning("stopping at step %d (asked to stop)%s", versions[0],
                     "" if len(set(versions)) == 1 else f"; shards stopped at {versions}")
 
@@ -160,8 +168,8 @@ class Chief:
         return summary
 
     def collect_workers(self) -> list[int]:
-        """Wait for every other worker's done report; the silent ones count as lost."""
-        others = set(range(1, self.topo.num_workers))
+        """Wait for every other replica leader's done report; the silent ones count as lost."""
+        others = set(range(self.topo.stages, self.topo.num_workers, self.topo.stages))
         deadline = time.monotonic() + self.cfg.update.timeout_s
         with _DONE_LOCK:
             while not others <= set(_DONE) and time.monotonic() < deadline:
@@ -175,10 +183,10 @@ class Chief:
     # -- end -----------------------------------------------------------------------------------
     def finish(self, worker: Worker, wall_s: float, lost: list[int], total_s: float) -> dict:
         plan, cfg = self.plan, self.cfg
-        flats = [f.wait()[1] for f in [comm.invoke(r, "pull_full") for r in plan.shards]]
-        reports = comm.wait_all([comm.invoke(r, "report") for r in plan.shards])
+        flats = [f.wait()[1] for f in [comm.invoke(r, "pull_full") for r in plan.all_shards]]
+        reports = comm.wait_all([comm.invoke(r, "report") for r in plan.all_shards])
         state = plan.layout.join(flats)
-        for name, buf in worker.model.named_buffers():  # BatchNorm statistics: the chief's
+        for name, buf in worker.model.named_buffers():  # BatchNorm statistics: the chief's copy
             state[name] = buf.detach().cpu().clone()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(state, self.out_dir / "model.pt")
@@ -227,10 +235,9 @@ class Chief:
         return correct / len(test)
 
 
-def _stats_for(restored: checkpoint.Restored, num_shards: int) -> list[Optional[dict]]:
+def _stats_for(restored: Optional[checkpoint.Restored]) -> Optional[dict]:
     """Counters carried over a restore: shard 0's (every shard sees every push)."""
-    saved = restored.shards[0].get("stats")
-    return [dict(saved) if saved else None for _ in range(num_shards)]
+    return dict(restored.shards[0]["stats"]) if restored and "stats" in restored.shards[0] else None
 
 
 def _instantiate(spec):

@@ -86,9 +86,22 @@ def call_sync(to: str, fn: Callable, args: tuple = (), timeout_s: Optional[float
     return rpc.rpc_sync(to, fn, args=args, timeout=_t(timeout_s))
 
 
+@async_execution
+def _invoke_on_owner(rref: RRef, method: str, args: tuple) -> Future:
+    result = getattr(rref.local_value(), method)(*args)
+    # rpc_async hands back torch._C.Future, torch.futures.Future's base
+    return result if isinstance(result, torch._C.Future) else completed(result)
+
+
 def invoke(rref: RRef, method: str, *args, timeout_s: Optional[float] = None) -> Future:
-    """Call `method(*args)` on the object behind `rref`, on its owner; returns a Future."""
-    return getattr(rref.rpc_async(timeout=_t(timeout_s)), method)(*args)
+    """Call `method(*args)` on the object behind `rref`, on its owner; returns a Future.
+
+    Not `rref.rpc_async().method()`: that helper first fetches the RRef's type and sends the
+    call from a callback thread, outside the caller's distributed autograd context, so the
+    backward pass never reaches the callee (pipeline stages would get no gradients). One direct
+    call, which also works for `async_execution` methods (their Future is passed through)."""
+    return rpc.rpc_async(rref.owner(), _invoke_on_owner, args=(rref, method, args),
+                         timeout=_t(timeout_s))
 
 
 def owner_name(rref: RRef) -> str:

@@ -87,6 +87,13 @@ _FILES = {
 }
 
 
+def data_shape(cfg) -> tuple[tuple[int, int, int], int]:
+    """(image_shape, num_classes) of a dataset config, without loading anything."""
+    if cfg.name == "synthetic":
+        return tuple(cfg.image_shape), cfg.num_classes
+    return {"mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}[cfg.name]
+
+
 def missing_files(name: str, root: Path) -> list[str]:
     """Files of dataset `name` absent under `root` (empty when all are there)."""
     return [str(root / f) for f in _FILES.get(name, []) if not (root / f).is_file()]

@@ -109,7 +109,8 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
 
     setup_logging("launcher", None)
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
-    topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg))
+    stages = cfg.parallel.stages if cfg.parallel.name == "model" else 1
+    topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg), stages=stages)
     ctx = _context()
     errors = Path(tempfile.mkdtemp(prefix="psrpc-"))
     procs = {}

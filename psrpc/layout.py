@@ -84,6 +84,19 @@ class Layout:
             numels.append(offset)
         return cls(shapes, tuple(pieces), tuple(numels))
 
+    @classmethod
+    def concat(cls, layouts: list["Layout"]) -> "Layout":
+        """One layout of all shards of several (per-stage) layouts: shard k of layout s becomes
+        shard s·P + k. Data parallel has one stage: concat([l]) == l."""
+        shapes, pieces, numels = {}, [], []
+        for layout in layouts:
+            first = len(numels)
+            shapes.update(layout.shapes)
+            pieces += [Piece(p.name, p.row_start, p.row_end, first + p.shard, p.offset, p.numel)
+                       for p in layout.pieces]
+            numels += layout.shard_numel
+        return cls(shapes, tuple(pieces), tuple(numels))
+
     # -- flat buffers <-> tensors --------------------------------------------------------------
     def split(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Named tensors -> one flat float32 CPU buffer per shard."""

@@ -95,8 +95,7 @@ def install_signal_handlers() -> None:
 
 def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> None:
     """Everything one rank does, from joining the cluster to leaving it."""
-    if worker_cls is None:
-        from psrpc.worker import Worker as worker_cls
+    worker_cls = worker_cls or replica_class(cfg.parallel.name)
     setup_logging(topo.name, out_dir)
     install_signal_handlers()
     set_threads(cfg, topo)
@@ -110,11 +109,23 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
         if topo.is_chief:
             graceful = _run_chief(cfg, topo, out_dir, worker_cls)
         else:
-            if topo.role == "worker":
+            if topo.is_leader:  # a pipeline stage other than 0 only serves its Stage object
                 _run_worker(cfg, topo, worker_cls)
             graceful = _wait_for_stop(topo)
     finally:
         comm.shutdown(graceful=graceful)
+
+
+def replica_class(parallel: str):
+    """The training loop each replica leader runs, by `parallel=` (a registry, not an if)."""
+    from psrpc.pipeline import PipelineLeader
+    from psrpc.worker import Worker
+
+    loops = {"data": Worker, "model": PipelineLeader}
+    try:
+        return loops[parallel]
+    except KeyError:
+        raise ValueError(f"parallel={parallel!r}: must be one of {sorted(loops)}") from None
 
 
 def _run_chief(cfg: Config, topo: Topology, out_dir: Path, worker_cls) -> bool:

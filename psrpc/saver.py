@@ -22,7 +22,7 @@ class CheckpointSaver(Hook):
     def __init__(self, cfg, plan, start_step: int, margin: int):
         ck = cfg.checkpoint
         self.root, self.every_steps, self.every_s, self.keep = ck.dir, ck.every_steps, ck.every_s, ck.keep
-        self.shards, self.layout = plan.shards, plan.layout
+        self.shards, self.layout = plan.all_shards, plan.layout
         self.margin = margin  # steps ahead a time-based save is asked for
         self.extra = {"model": cfg.model.name, "optim": cfg.optim.name,
                       "update": cfg.update.name, "num_workers": cfg.cluster.num_workers}

@@ -50,6 +50,7 @@ class ShardSpec:
     checkpoint_every: int = 0
     faults: Any = field(default_factory=NoFaults)
     stats: Optional[dict] = None  # counters carried over a restore
+    name: str = ""  # for messages: "ps1", or "ps1/stage2" in model-parallel mode
 
 
 @dataclass
@@ -92,7 +93,8 @@ class Shard:
     def __init__(self, spec: ShardSpec):
         from psrpc.updates import build_updater  # sync/async registry
 
-        self.index = spec.index
+        self.index = spec.index  # global shard number (stage · P + k); 0 is the clock shard
+        self.name = spec.name or f"ps{spec.index}"
         self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
         self.params.grad = torch.zeros_like(self.params)
         self.optimizer = build_optimizer([self.params], spec.optim)
@@ -126,8 +128,8 @@ class Shard:
         if not bool(torch.isfinite(grad).all()):
             with self.lock:
                 self.stats.nan_rejected += 1
-                log.warning("ps%d: rejected a non-finite gradient from worker%d at step %d",
-                            self.index, worker, version)
+                log.warning("%s: rejected a non-finite gradient from worker%d at step %d",
+                            self.name, worker, version)
                 return comm.completed(self.reply(accepted=False))
         return self.updater.push(worker, version, grad, loss, samples)
 
@@ -240,7 +242,7 @@ class Shard:
         try:
             info = checkpoint.save_shard(self.checkpoint_dir, state)
         except Exception as e:  # a failed save must not stop training; the chief skips it
-            log.error("ps%d: could not save step %d: %s", self.index, state["version"], e)
+            log.error("%s: could not save step %d: %s", self.name, state["version"], e)
             info = None
         if not fut.done():
             fut.set_result(info)
@@ -254,7 +256,7 @@ class Shard:
                 fut.set_result(None)
 
     def _check(self, worker: int, version: int, grad) -> None:
-        name = f"ps{self.index}"
+        name = self.name
         if not isinstance(worker, int) or not 0 <= worker < self.num_workers:
             raise PushRejected(f"{name}: push from unknown worker {worker!r} "
                                f"(workers are 0..{self.num_workers - 1})")

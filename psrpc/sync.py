@@ -37,7 +37,7 @@ class SyncAggregator:
         self._sum = torch.zeros_like(shard.params)  # float32, the round's gradient sum
         self._new_round()
         self._watchdog = Watchdog(self._check_timeout, min(0.1, self.timeout_s / 10),
-                                  f"ps{shard.index}-round-timeout")
+                                  f"{shard.name}-round-timeout")
 
     def _new_round(self) -> None:
         self._sum.zero_()
@@ -62,7 +62,7 @@ class SyncAggregator:
                 return comm.completed(shard.reply(accepted=False))
             if worker in self._members:
                 return comm.failed(PushRejected(
-                    f"ps{shard.index}: worker{worker} pushed twice for step {version}"))
+                    f"{shard.name}: worker{worker} pushed twice for step {version}"))
             self._sum.add_(grad)  # grad may be bf16/fp16 on the wire; the sum stays float32
             self._members.add(worker)
             self._losses.append(float(loss))
@@ -95,8 +95,8 @@ class SyncAggregator:
         with shard.lock:
             if self._opened is not None and time.monotonic() - self._opened > self.timeout_s:
                 missing = sorted(self.live.alive - self._members)
-                log.warning("ps%d: round %d waited %.1f s (update.timeout_s) with %d of %d "
-                            "gradients; going on without %s", shard.index, shard.version,
+                log.warning("%s: round %d waited %.1f s (update.timeout_s) with %d of %d "
+                            "gradients; going on without %s", shard.name, shard.version,
                             self.timeout_s, len(self._members), self.needed(),
                             ", ".join(f"worker{w}" for w in missing))
                 self.live.lose(missing)

@@ -13,9 +13,6 @@ from typing import Mapping, Optional
 
 from psrpc.errors import ConfigError
 
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 @dataclass(frozen=True)
 class Topology:
     num_ps: int
@@ -29,18 +26,20 @@ class Topology:
     launched_by_torchrun: bool = False
     restart_count: int = 0
     """torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt of the group."""
+    stages: int = 1
+    """Pipeline stages per replica (model parallel); 1 in data-parallel mode."""
 
     @property
     def world_size(self) -> int:
         return self.num_ps + self.num_workers
 
     @classmethod
-    def from_env(cls, num_ps: int, num_workers: int,
+    def from_env(cls, num_ps: int, num_workers: int, stages: int = 1,
                  env: Optional[Mapping[str, str]] = None) -> "Topology":
         """Read RANK/WORLD_SIZE/... (set by torchrun); without them this is the launcher's parent."""
         env = os.environ if env is None else env
         port = env.get("MASTER_PORT")
-        base = dict(num_ps=num_ps, num_workers=num_workers,
+        base = dict(num_ps=num_ps, num_workers=num_workers, stages=stages,
                     master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                     master_port=int(port) if port else 0)
         if "RANK" not in env:
@@ -57,10 +56,10 @@ class Topology:
                    launched_by_torchrun="TORCHELASTIC_RUN_ID" in env,
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
-    def with_rank(self, rank: int, local_rank: Optional[int] = None) -> "Topology":
-        """This topology as seen by one process the local launcher starts."""
+    def with_rank(self, rank: int) -> "Topology":
+        """This topology as seen by one process the local launcher starts (one node)."""
         return Topology(self.num_ps, self.num_workers, rank, self.master_addr, self.master_port,
-                        rank if local_rank is None else local_rank, self.world_size)
+                        rank, self.world_size, stages=self.stages)
 
     # -- questions the rest of psrpc asks -----------------------------------------------------
     def role_of(self, rank: int) -> tuple[str, int]:
@@ -115,6 +114,30 @@ class Topology:
         if role != "ps":
             raise ValueError(f"{name} is a worker, it holds no shard")
         return index
+
+    # -- model parallel: worker i is stage i % S of replica i // S ------------------------------
+    @property
+    def replicas(self) -> int:
+        return self.num_workers // self.stages
+
+    def replica_of(self, worker: int) -> int:
+        return worker // self.stages
+
+    def stage_of(self, worker: int) -> int:
+        return worker % self.stages
+
+    @property
+    def is_leader(self) -> bool:
+        """Stage 0 of its replica: feeds the pipeline (every worker, in data-parallel mode)."""
+        return self.role == "worker" and self.stage_of(self.index) == 0
+
+    def stage_workers(self, replica: int) -> list[str]:
+        """Worker names holding stages 0..S-1 of `replica`."""
+        return [f"worker{replica * self.stages + s}" for s in range(self.stages)]
+
+    def local_rank_of(self, rank: int) -> int:
+        """A peer's LOCAL_RANK (torchrun gives every node the same number of processes)."""
+        return rank % self.local_world_size
 
     @property
     def workers_on_this_node(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -34,9 +34,19 @@ log = logging.getLogger(__name__)
 class Plan:
     """What the chief hands every worker once the shards exist."""
 
-    layout: Layout
-    shards: list  # RRef of shard k, owned by ps{k}
+    layouts: list[Layout]  # per pipeline stage (data parallel: one)
+    shards: list[list]  # shards[s][k]: RRef of stage s's shard on ps{k}
+    cuts: list[int]  # index of each stage's first layer (data parallel: [0])
     restored_from_step: Optional[int] = None
+
+    @property
+    def layout(self) -> Layout:
+        """Every shard of every stage in one layout (shard s·P + k): final model, checkpoints."""
+        return Layout.concat(self.layouts)
+
+    @property
+    def all_shards(self) -> list:
+        return [rref for stage in self.shards for rref in stage]
 
 
 @dataclass
@@ -48,12 +58,13 @@ class WorkerStats:
 
 
 class ShardClient:
-    """push / pull / push_pull against every shard, all RPCs in flight at once."""
+    """push / pull / push_pull against every shard of a stage, all RPCs in flight at once."""
 
     def __init__(self, shards: list, worker: int, timeout_s: Optional[float] = None):
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
 
-    def _wait(self, futures) -> list[Reply]:
+    def wait(self, futures) -> list[Reply]:
+        """The replies, or an error naming the PS that failed."""
         replies = []
         for k, fut in enumerate(futures):
             try:
@@ -64,16 +75,19 @@ class ShardClient:
                                  f"{_first_line(e)}") from e
         return replies
 
+    def push_pull_async(self, versions: list[int], grads: list[torch.Tensor], loss: float,
+                        samples: int) -> list:
+        return [comm.invoke(rref, "push_pull", self.worker, v, g, loss, samples,
+                            timeout_s=self.timeout_s)
+                for rref, v, g in zip(self.shards, versions, grads)]
+
     def push_pull(self, versions: list[int], grads: list[torch.Tensor], loss: float,
                   samples: int) -> list[Reply]:
-        return self._wait([
-            comm.invoke(rref, "push_pull", self.worker, v, g, loss, samples,
-                        timeout_s=self.timeout_s)
-            for rref, v, g in zip(self.shards, versions, grads)])
+        return self.wait(self.push_pull_async(versions, grads, loss, samples))
 
     def pull(self) -> list[Reply]:
-        return self._wait([comm.invoke(rref, "pull", timeout_s=self.timeout_s)
-                           for rref in self.shards])
+        return self.wait([comm.invoke(rref, "pull", timeout_s=self.timeout_s)
+                          for rref in self.shards])
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
@@ -87,25 +101,42 @@ def pick_device(name: str, local_rank: int) -> torch.device:
     return device
 
 
-class Worker:
-    def __init__(self, cfg: Config, topo: Topology, plan: Plan, model=None, dataset=None):
-        self.cfg, self.topo, self.index = cfg, topo, topo.index
+class Replica:
+    """What every replica's training loop has: its data slice, its device, its counters."""
+
+    def __init__(self, cfg: Config, topo: Topology, plan: Plan, dataset=None):
+        self.cfg, self.topo, self.plan = cfg, topo, plan
+        self.replica = topo.replica_of(topo.index)
         self.device = pick_device(cfg.train.device, topo.local_rank)
         self.data = dataset or load_dataset(cfg.data, cfg.train.seed)
-        self.model = (model or self.build_model(cfg, self.data)).to(self.device)
-        self.flat = FlatModel(self.model, plan.layout, self.device,
-                              WIRE_DTYPES[cfg.update.wire_dtype])
-        self.client = ShardClient(plan.shards, self.index)
         self.batch = cfg.train.batch_size
         self.batches = GlobalBatches(len(self.data.train), replicas(cfg) * self.batch,
                                      cfg.train.seed)
-        self.faults = build_faults(cfg.fault, "worker", self.index, topo.restart_count)
+        self.faults = build_faults(cfg.fault, "worker", topo.index, topo.restart_count)
         self.stats = WorkerStats()
 
     @classmethod
     def build_model(cls, cfg: Config, dataset):
-        """The model this worker trains (the chief's copy, built after seeding, is the init)."""
+        """The model this replica trains (the chief's copy, built after seeding, is the init)."""
         return build_model(cfg.model.name, dataset.image_shape, dataset.num_classes)
+
+    def batch_for(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's rows of global batch `step`, on its device."""
+        idx = self.batches.slice_for(step, self.replica, self.batch)
+        return (self.data.train.x[idx].to(self.device, non_blocking=True),
+                self.data.train.y[idx].to(self.device, non_blocking=True))
+
+
+class Worker(Replica):
+    """A data-parallel worker: the whole model, its slice of every global batch."""
+
+    def __init__(self, cfg: Config, topo: Topology, plan: Plan, model=None, dataset=None):
+        super().__init__(cfg, topo, plan, dataset)
+        self.index = topo.index
+        self.model = (model or self.build_model(cfg, self.data)).to(self.device)
+        self.flat = FlatModel(self.model, plan.layouts[0], self.device,
+                              WIRE_DTYPES[cfg.update.wire_dtype])
+        self.client = ShardClient(plan.shards[0], self.index)
 
     def load(self, replies: list[Reply]) -> list[int]:
         for k, r in enumerate(replies):
@@ -114,9 +145,7 @@ class Worker:
 
     def compute(self, step: int) -> float:
         """Forward and backward on this worker's rows of global batch `step`; returns the loss."""
-        idx = self.batches.slice_for(step, self.index, self.batch)
-        x = self.data.train.x[idx].to(self.device, non_blocking=True)
-        y = self.data.train.y[idx].to(self.device, non_blocking=True)
+        x, y = self.batch_for(step)
         self.flat.zero_grad()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()

@@ -33,6 +33,9 @@ def compose(overrides=()):
         cfg = to_config(hydra_compose("config", overrides=list(overrides)))
     resolve_paths(cfg, str(ROOT))
     validate(cfg)
+    from psrpc.pipeline import check_model_parallel
+
+    check_model_parallel(cfg)
     return cfg
 
 

@@ -78,7 +78,8 @@ def test_reshard_keeps_params_and_optimizer_state(tmp_path, optim, to_shards):
     layout, shards = _saved_run(tmp_path, 2, optim=optim)
     r = checkpoint.find_latest(str(tmp_path))
     fresh = make_shard(sync(), optim).optimizer.state_dict()
-    new_layout, params, states = checkpoint.reshard(r, SHAPES, to_shards, 400, fresh)
+    new_layout = Layout.plan(SHAPES, to_shards, 400)
+    params, states = checkpoint.reshard(r, new_layout, fresh)
     assert new_layout.num_shards == to_shards
     named = new_layout.join(params)
     want = layout.join([s.params for s in shards])
@@ -99,4 +100,4 @@ def test_checkpoint_for_another_model_is_refused(tmp_path):
     r = checkpoint.find_latest(str(tmp_path))
     fresh = make_shard(sync()).optimizer.state_dict()
     with pytest.raises(Exception, match="made for another model"):
-        checkpoint.reshard(r, {"w": (41, 5), "b": (40,), "v": (7, 3)}, 1, 400, fresh)
+        checkpoint.reshard(r, Layout.plan({"w": (41, 5), "b": (40,), "v": (7, 3)}, 1, 400), fresh)

@@ -17,13 +17,13 @@ def test_ranks_to_roles():
 def test_from_env_reads_torchrun_variables():
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "x"}
-    t = Topology.from_env(1, 3, env)
+    t = Topology.from_env(1, 3, env=env)
     assert (t.rank, t.name, t.master_addr, t.master_port) == (3, "worker2", "10.0.0.1", 29555)
     assert t.launched_by_torchrun and t.workers_on_this_node == 2
-    assert Topology.from_env(1, 3, {}).rank is None  # no RANK: the local launcher's parent
+    assert Topology.from_env(1, 3, env={}).rank is None  # no RANK: the local launcher's parent
 
 
 def test_world_size_mismatch_names_every_number():
     with pytest.raises(ConfigError, match=r"WORLD_SIZE=3 but cluster.num_ps=1 \+ "
                                           r"cluster.num_workers=3 = 4"):
-        Topology.from_env(1, 3, {"RANK": "0", "WORLD_SIZE": "3"})
+        Topology.from_env(1, 3, env={"RANK": "0", "WORLD_SIZE": "3"})

@@ -1,0 +1,201 @@
+"""Model parallel (`parallel=model`): the model's layers cut into consecutive stages, one per
+worker of a pipeline replica, with micro-batches pipelined through them (fill-drain).
+
+Worker i holds stage i % S of replica i // S. The replica's leader (its stage-0 worker) creates a
+`Stage` on each of its stage workers (`comm.remote`), then per step:
+- sends every micro-batch to stage 0 with `rpc_async`; a stage runs its layers and forwards the
+  result to the next stage itself, returning that call's Future (`async_execution`: no RPC
+  thread waits), so stage s works on micro-batch m+1 while stage s+1 works on m;
+- computes the loss on the last stage's outputs and runs `dist_autograd.backward`: gradients
+  land in each stage worker's autograd context (not in `.grad`: PyTorch's own pipeline example
+  never updates its parameters because of this);
+- asks every stage to push: a stage reads its gradients from the context
+  (`dist_autograd.get_gradients`) into its flat per-shard buffers and `push_pull`s them to its
+  own shards, through the same sync/async update rules as data parallelism.
+Each stage's parameters have their own shards on the PS (shard s·P + k on ps{k}), aggregated over
+the R replicas.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch import nn
+
+from psrpc import comm
+from psrpc.config import Config
+from psrpc.data import data_shape
+from psrpc.errors import ConfigError
+from psrpc.faults import build_faults
+from psrpc.flat import FlatModel
+from psrpc.layout import Layout
+from psrpc.models import build_model
+from psrpc.shard import WIRE_DTYPES, Reply
+from psrpc.topology import Topology
+from psrpc.worker import Plan, Replica, ShardClient, pick_device
+
+
+# -- cutting the model ---------------------------------------------------------------------------
+def cut_points(model: nn.Sequential, stages: int, split: Optional[list[int]] = None) -> list[int]:
+    """Index of the first layer of each stage. Every stage holds at least one layer with
+    parameters; by default the cuts minimise the largest stage's parameter count."""
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    holders = [i for i, n in enumerate(sizes) if n]
+    if stages > len(holders):
+        raise ConfigError(f"parallel.stages={stages}: the model has only {len(holders)} layers "
+                          f"with parameters to cut between ({len(model)} layers in all); use at "
+                          f"most {len(holders)} stages")
+    if split is not None:
+        cuts = [0] + list(split)
+        bounds = cuts + [len(model)]
+        ok = (len(split) == stages - 1 and all(a < b for a, b in zip(bounds, bounds[1:]))
+              and all(any(sizes[a:b]) for a, b in zip(bounds, bounds[1:])))
+        if not ok:
+            raise ConfigError(
+                f"parallel.split={list(split)}: need {stages - 1} increasing layer indices in "
+                f"1..{len(model) - 1} so that every stage has parameters (layer sizes: {sizes})")
+        return cuts
+    # Balanced: try every way to put the S-1 cuts just before a parameter-holding layer.
+    best: tuple[float, list[int]] = (float("inf"), [])
+
+    def search(start_holder: int, left: int, cuts: list[int]) -> None:
+        nonlocal best
+        if left == 0:
+            bounds = cuts + [len(model)]
+            worst = max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:]))
+            best = min(best, (worst, list(cuts)))
+            return
+        for h in range(start_holder, len(holders) - left + 1):
+            search(h + 1, left - 1, cuts + [holders[h]])
+
+    search(1, stages - 1, [0])
+    return best[1]
+
+
+def stage_module(model: nn.Sequential, cuts: list[int], stage: int) -> nn.Sequential:
+    """Stage `stage`'s layers, keeping their indices so parameter names match the full model's."""
+    end = cuts[stage + 1] if stage + 1 < len(cuts) else len(model)
+    return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cuts[stage], end)))
+
+
+def stage_shapes(model: nn.Sequential, cuts: list[int]) -> list[dict[str, tuple]]:
+    return [{n: tuple(p.shape) for n, p in stage_module(model, cuts, s).named_parameters()}
+            for s in range(len(cuts))]
+
+
+def check_model_parallel(cfg: Config) -> None:
+    """The cut is valid for this model (before any process starts; builds on the meta device)."""
+    if cfg.parallel.name != "model":
+        return
+    image_shape, classes = data_shape(cfg.data)
+    with torch.device("meta"):
+        model = build_model(cfg.model.name, image_shape, classes)
+    cut_points(model, cfg.parallel.stages, cfg.parallel.split)
+
+
+# -- one stage, on its worker -------------------------------------------------------------------
+class Stage:
+    """Layers [a, b) of the model on one worker, with their flat buffers and shard client."""
+
+    def __init__(self, cfg: Config, stage: int, cuts: list[int], layout: Layout, shards: list,
+                 replica: int, local_rank: int, worker: int, restart_count: int):
+        self.device = pick_device(cfg.train.device, local_rank)
+        image_shape, classes = data_shape(cfg.data)
+        self.module = stage_module(build_model(cfg.model.name, image_shape, classes), cuts,
+                                   stage).to(self.device)
+        self.params = list(self.module.parameters())
+        self.flat = FlatModel(self.module, layout, self.device,
+                              WIRE_DTYPES[cfg.update.wire_dtype])
+        self.client = ShardClient(shards, replica)
+        self.faults = build_faults(cfg.fault, "worker", worker, restart_count)
+        self.next: Optional[comm.RRef] = None
+        self.lock = threading.Lock()  # one micro-batch at a time through this stage
+        self.reply = self._load(self.client.pull())
+
+    def set_next(self, rref: comm.RRef) -> None:
+        self.next = rref
+
+    def first_reply(self) -> Reply:
+        return self.reply
+
+    @comm.async_execution
+    def forward(self, x: torch.Tensor):
+        """Run this stage on one micro-batch and hand the result on; the Future holds the last
+        stage's output. Runs inside the leader's distributed autograd context."""
+        with self.lock:
+            y = self.module(x.to(self.device)).cpu()  # RPC carries CPU tensors
+        return comm.completed(y) if self.next is None else comm.invoke(self.next, "forward", y)
+
+    @comm.async_execution
+    def push(self, context_id: int, loss: float, samples: int):
+        """Push this stage's gradients of step `context_id` to its shards; Future of the Reply."""
+        grads = dist_autograd.get_gradients(context_id)
+        self.flat.zero_grad()
+        with torch.no_grad():
+            for p in self.params:
+                if p in grads:
+                    p.grad.copy_(grads[p])
+        sends = [self.flat.grad_to_send(k) for k in range(len(self.flat.params))]
+        self.faults.before_push(self.reply.version, sends)
+        futures = self.client.push_pull_async(self._versions, sends, loss, samples)
+        return torch.futures.collect_all(futures).then(
+            lambda _: self._load(self.client.wait(futures)))
+
+    def _load(self, replies: list[Reply]) -> Reply:
+        for k, r in enumerate(replies):
+            self.flat.load(k, r.params)
+        self._versions = [r.version for r in replies]
+        self.reply = replies[0]
+        return replies[0]
+
+
+# -- the replica's leader: feeds the pipeline ------------------------------------------------------
+class PipelineLeader(Replica):
+    def __init__(self, cfg: Config, topo: Topology, plan: Plan, model=None, dataset=None):
+        super().__init__(cfg, topo, plan, dataset)
+        self.model = model  # the chief's full model (for its final evaluation); None elsewhere
+        if self.model is None and topo.is_chief:
+            self.model = self.build_model(cfg, self.data)
+        if self.model is not None:
+            self.model.to(self.device)
+        self.microbatches = cfg.parallel.microbatches
+        names = topo.stage_workers(self.replica)
+        self.stages = []
+        for s, name in enumerate(names):
+            rank = topo.rank_of(name)
+            self.stages.append(comm.remote(name, Stage, args=(
+                cfg, s, plan.cuts, plan.layouts[s], plan.shards[s], self.replica,
+                topo.local_rank_of(rank), topo.role_of(rank)[1], topo.restart_count)))
+        for s in range(len(names) - 1):
+            comm.invoke(self.stages[s], "set_next", self.stages[s + 1]).wait()
+
+    def step(self, step: int) -> tuple[list[Reply], float]:
+        """Forward M micro-batches through the pipeline, backward, push every stage."""
+        x, y = self.batch_for(step)
+        with dist_autograd.context() as ctx:
+            outs = comm.wait_all([comm.invoke(self.stages[0], "forward", xm.cpu())
+                                  for xm in x.chunk(self.microbatches)])
+            loss = F.cross_entropy(torch.cat(outs).to(self.device), y)
+            dist_autograd.backward(ctx, [loss])
+            value = loss.item()
+            replies = comm.wait_all([comm.invoke(st, "push", ctx, value, self.batch)
+                                     for st in self.stages])
+        return replies, value
+
+    def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
+        reply = comm.invoke(self.stages[0], "first_reply").wait()
+        while not reply.finished:
+            t0 = time.perf_counter()
+            replies, loss = self.step(reply.version)
+            reply = replies[0]
+            self.stats.pushes += 1
+            self.stats.accepted += int(reply.accepted)
+            self.stats.compute_s += time.perf_counter() - t0
+            if after_step(reply, 0.0, loss):
+                break
