@@ -12,6 +12,9 @@ import sys
 # TensorPipe logs every closed pipe at WARNING from C++ when a peer dies or leaves: noise on paths
 # psrpc handles. Read once when torch loads; TORCH_CPP_LOG_LEVEL=WARNING brings them back.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# Transparent huge pages for torch's CPU allocations: a fresh 45 MB receive buffer costs 6 ms
+# instead of 22 ms of page faults (benchmarks/README.md). Also read when torch loads.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 from pathlib import Path
 
 import hydra

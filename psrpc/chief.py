@@ -83,7 +83,8 @@ class Chief:
                     cut_points(model, cfg.parallel.stages, cfg.parallel.split))
             shapes = ([{n: tuple(p.shape) for n, p in named.items()}] if len(cuts) == 1
                       else stage_shapes(model, cuts))
-            layouts = [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes) for sh in shapes]
+            layouts = [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes,
+                                   cfg.cluster.bucket_bytes) for sh in shapes]
             layout = Layout.concat(layouts)
             restored = checkpoint.find_latest(cfg.checkpoint.dir)
             if restored is None:
@@ -98,9 +99,10 @@ class Chief:
                          restored.layout.num_shards, layout.num_shards)
             stats = _stats_for(restored)
             shards = []
-            for g in range(layout.num_shards):  # shard g = stage g // P on ps{g % P}
-                stage, k = divmod(g, topo.num_ps)
-                name = f"ps{k}" if len(cuts) == 1 else f"ps{k}/stage{stage}"
+            stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
+            for g in range(layout.num_shards):  # shard g lives on ps{layout.shard_ps[g]}
+                k = layout.shard_ps[g]
+                name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(cuts) > 1 else "")
                 spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas,
                                  cfg.train.steps, version, states[g], cfg.checkpoint.dir,
                                  cfg.checkpoint.every_steps,
@@ -108,9 +110,9 @@ class Chief:
                 shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
             for rref in shards:  # surface a constructor's error here
                 comm.invoke(rref, "report").wait()
-            P = topo.num_ps
-            self.plan = Plan(layouts, [shards[s * P:(s + 1) * P] for s in range(len(cuts))], cuts,
-                             restored.step if restored else None)
+            per_stage = [[shards[g] for g in range(len(shards)) if stage_of[g] == s]
+                         for s in range(len(cuts))]
+            self.plan = Plan(layouts, per_stage, cuts, restored.step if restored else None)
         except Exception as e:
             _PLAN.set_exception(PsrpcError(f"the chief failed to initialise: {e}"))
             raise

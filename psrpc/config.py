@@ -25,6 +25,9 @@ class ClusterConfig:
     """W: worker processes (ranks P..P+W-1); worker0 is the chief."""
     max_shard_bytes: int = MISSING
     """A tensor larger than this many bytes is split along dim 0 across PS."""
+    bucket_bytes: int = MISSING
+    """Fast path: shards are buckets of about this size, pushed as backward fills them; 0: one
+    shard per PS."""
     worker_threads: Optional[int] = MISSING
     """torch threads per worker; null: this node's cores divided among its workers."""
     ps_threads: int = MISSING
@@ -255,6 +258,8 @@ def validate(cfg: Config) -> None:
     _check(c.num_ps >= 1, "cluster.num_ps", c.num_ps, "need at least 1 parameter server")
     _check(c.num_workers >= 1, "cluster.num_workers", c.num_workers, "need at least 1 worker")
     _check(c.max_shard_bytes >= 1, "cluster.max_shard_bytes", c.max_shard_bytes, "must be ≥ 1")
+    _check(c.bucket_bytes >= 0, "cluster.bucket_bytes", c.bucket_bytes,
+           "must be ≥ 0 (0: one shard per PS)")
     _check(c.worker_threads is None or c.worker_threads >= 1, "cluster.worker_threads",
            c.worker_threads, "must be ≥ 1 or null (automatic)")
     _check(c.ps_threads >= 1, "cluster.ps_threads", c.ps_threads, "must be ≥ 1")

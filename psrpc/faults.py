@@ -22,7 +22,13 @@ log = logging.getLogger("psrpc")
 class NoFaults:
     """The default: every hook does nothing."""
 
-    def before_push(self, step: int, grads: list[torch.Tensor]) -> None:
+    def before_backward(self, step: int) -> None:
+        """Straggler sleep, crash: once the batch's forward is done."""
+
+    def nan_due(self, step: int) -> bool:
+        return False
+
+    def corrupt(self, step: int, grads: list[torch.Tensor]) -> None:
         pass
 
     def after_update(self, role: str, index: int, step: int) -> None:
@@ -41,11 +47,16 @@ class Faults(NoFaults):
             log.warning("fault.crash_*: killing %s%d at step %d", self.role, self.index, step)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def before_push(self, step: int, grads: list[torch.Tensor]) -> None:
+    def before_backward(self, step: int) -> None:
         self._crash_if_due(step)
         if self.index == self.cfg.slow_worker and self.role == "worker":
             time.sleep(self.cfg.slow_s)  # a straggler: slow compute, as seen by everyone else
-        if self.nan_pending and step >= self.cfg.nan_at_step:
+
+    def nan_due(self, step: int) -> bool:
+        return self.nan_pending and step >= self.cfg.nan_at_step
+
+    def corrupt(self, step: int, grads: list[torch.Tensor]) -> None:
+        if self.nan_due(step):
             self.nan_pending = False
             log.warning("fault.nan_*: worker%d pushes NaN gradients at step %d", self.index, step)
             for g in grads:

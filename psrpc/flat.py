@@ -5,6 +5,9 @@ buffers, so backward writes gradients straight into what is pushed (autograd acc
 existing `.grad` in place) and a pull is one copy per shard. A tensor split across shards keeps
 its own storage; its pieces are copied (only tensors over `cluster.max_shard_bytes` are split).
 
+Pushes overlap backward: a post-accumulate-grad hook per parameter tells the worker when a shard's
+gradient is complete (see `arm`).
+
 On CUDA the flat buffers live on the GPU and what crosses the wire goes through pinned CPU
 staging buffers with non_blocking copies (RPC carries CPU tensors only).
 """
@@ -42,11 +45,42 @@ class FlatModel:
         for param in {id(q): q for q, _ in self._split}.values():
             param.data = param.data.to(device)
             param.grad = torch.zeros_like(param.data)
+        # Backward fills shards one after another: a hook per parameter counts what is left of
+        # each shard and calls `on_ready(shard)` when its gradient is complete (push it then).
+        self._shards_of: dict[int, list[int]] = {}
+        for p in layout.pieces:
+            self._shards_of.setdefault(id(named[p.name]), []).append(p.shard)
+        self._per_shard = [0] * layout.num_shards
+        for param in {id(q): q for q in named.values() if id(q) in self._shards_of}.values():
+            for k in self._shards_of[id(param)]:
+                self._per_shard[k] += 1
+            param.register_post_accumulate_grad_hook(self._accumulated)
+        self._left: list[int] = []
+        self._on_ready = None
         on_cpu_f32 = device.type == "cpu" and wire_dtype == torch.float32
         pin = device.type == "cuda"
         # Staging: what is pushed, when it cannot be the gradient buffer itself.
         self._staging = None if on_cpu_f32 else [
             torch.empty(n, dtype=wire_dtype, pin_memory=pin) for n in layout.shard_numel]
+
+    def arm(self, on_ready) -> None:
+        """For the next backward: call `on_ready(shard)` as each shard's gradient completes."""
+        self._left = list(self._per_shard)
+        self._on_ready = on_ready
+
+    def disarm(self) -> list[int]:
+        """After backward: the shards `on_ready` was not called for (unused parameters)."""
+        left = [k for k, n in enumerate(self._left) if n > 0]
+        self._on_ready = None
+        return left
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if self._on_ready is None:
+            return
+        for k in self._shards_of[id(param)]:
+            self._left[k] -= 1
+            if self._left[k] == 0:
+                self._on_ready(k)
 
     def zero_grad(self) -> None:
         for g in self.grads:

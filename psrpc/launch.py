@@ -91,9 +91,12 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cl
         os._exit(1)
 
 
-def _context():
-    # As in __main__: quiet TensorPipe's C++ warnings; read when the forkserver imports torch.
+def process_context():
+    """The forkserver every psrpc process comes from (benchmarks start their peers from it too)."""
+    # As in __main__ (read when the forkserver imports torch): quiet TensorPipe's C++ warnings,
+    # huge pages for the large receive buffers.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker"])
     return ctx
@@ -111,7 +114,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
     stages = cfg.parallel.stages if cfg.parallel.name == "model" else 1
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg), stages=stages)
-    ctx = _context()
+    ctx = process_context()
     errors = Path(tempfile.mkdtemp(prefix="psrpc-"))
     procs = {}
     for rank in range(topo.world_size):

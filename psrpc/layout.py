@@ -1,9 +1,15 @@
 """Where each parameter lives: the sharding plan, and flat per-shard buffers.
 
-Whole tensors are placed greedily by bytes (the emptiest PS takes the next-largest tensor); a
-tensor larger than `max_shard_bytes` is first cut along dim 0 into pieces of at most that size.
-Each shard is one flat float32 buffer: its pieces back to back, in placement order. Sharding
-never changes the math (every optimizer here is elementwise).
+A tensor larger than `max_shard_bytes` is first cut along dim 0 into pieces of at most that size.
+Then, with `bucket_bytes = 0`, each PS holds one shard and whole tensors (or pieces) are placed
+greedily by bytes: the emptiest PS takes the next-largest. With `bucket_bytes > 0` (the fast
+path, as DDP's buckets) consecutive tensors in reverse model order, the order backward produces
+their gradients, are grouped into buckets of about that size (at least one per PS); each bucket
+is a shard of its own, and buckets are placed greedily by bytes the same way. A worker pushes a
+bucket the moment backward has filled it.
+
+Each shard is one flat float32 buffer: its pieces back to back. Sharding never changes the math
+(every optimizer here is elementwise).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class Layout:
     shapes: dict[str, tuple[int, ...]]  # every parameter, in model order
     pieces: tuple[Piece, ...]  # grouped by shard, in offset order within a shard
     shard_numel: tuple[int, ...]
+    shard_ps: tuple[int, ...]  # which PS holds each shard
 
     @property
     def num_shards(self) -> int:
@@ -53,10 +60,10 @@ class Layout:
 
     # -- plan --------------------------------------------------------------------------------
     @classmethod
-    def plan(cls, shapes: Mapping[str, tuple[int, ...]], num_shards: int,
-             max_shard_bytes: int, element_size: int = 4) -> "Layout":
+    def plan(cls, shapes: Mapping[str, tuple[int, ...]], num_ps: int, max_shard_bytes: int,
+             bucket_bytes: int = 0, element_size: int = 4) -> "Layout":
         shapes = {n: tuple(s) for n, s in shapes.items()}
-        chunks = []  # (bytes, order, name, row_start, row_end)
+        chunks = []  # (bytes, order, name, row_start, row_end), model order
         for order, (name, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
             rows = shape[0] if shape else 1
@@ -67,35 +74,45 @@ class Layout:
             row_numel = numel // rows if rows else 0
             for a, b in zip(bounds, bounds[1:]):
                 chunks.append(((b - a) * row_numel * element_size, order, name, a, b))
-        # Next-largest first; ties keep model order, so the plan is deterministic.
-        chunks.sort(key=lambda c: (-c[0], c[1], c[3]))
-        load = [0] * num_shards
-        placed: list[list[tuple]] = [[] for _ in range(num_shards)]
-        for nbytes, order, name, a, b in chunks:
-            k = min(range(num_shards), key=lambda i: (load[i], i))  # the emptiest PS
-            load[k] += nbytes
-            placed[k].append((name, a, b, nbytes // element_size))
+        groups = (_buckets(chunks, num_ps, bucket_bytes) if bucket_bytes > 0
+                  else [[c] for c in chunks])
+        # Next-largest first onto the emptiest PS; ties keep model order: deterministic.
+        load = [0] * num_ps
+        ps_of_group = {}
+        for gi in sorted(range(len(groups)), key=lambda i: (-sum(c[0] for c in groups[i]), i)):
+            k = min(range(num_ps), key=lambda i: (load[i], i))
+            load[k] += sum(c[0] for c in groups[gi])
+            ps_of_group[gi] = k
+        if bucket_bytes > 0:  # shard = bucket, in backward order
+            shard_groups = [[gi] for gi in range(len(groups))]
+            shard_ps = [ps_of_group[gi] for gi in range(len(groups))]
+        else:  # shard = PS, holding its tensors in placement order
+            order = sorted(range(len(groups)), key=lambda i: (-groups[i][0][0], i))
+            shard_groups = [[gi for gi in order if ps_of_group[gi] == k] for k in range(num_ps)]
+            shard_ps = list(range(num_ps))
         pieces, numels = [], []
-        for k in range(num_shards):
+        for shard, members in enumerate(shard_groups):
             offset = 0
-            for name, a, b, numel in placed[k]:
-                pieces.append(Piece(name, a, b, k, offset, numel))
-                offset += numel
+            for gi in members:
+                for nbytes, _, name, a, b in groups[gi]:
+                    pieces.append(Piece(name, a, b, shard, offset, nbytes // element_size))
+                    offset += nbytes // element_size
             numels.append(offset)
-        return cls(shapes, tuple(pieces), tuple(numels))
+        return cls(shapes, tuple(pieces), tuple(numels), tuple(shard_ps))
 
     @classmethod
     def concat(cls, layouts: list["Layout"]) -> "Layout":
-        """One layout of all shards of several (per-stage) layouts: shard k of layout s becomes
-        shard s·P + k. Data parallel has one stage: concat([l]) == l."""
-        shapes, pieces, numels = {}, [], []
+        """One layout of all shards of several (per-stage) layouts, numbered stage by stage.
+        Data parallel has one stage: concat([l]) == l."""
+        shapes, pieces, numels, ps = {}, [], [], []
         for layout in layouts:
             first = len(numels)
             shapes.update(layout.shapes)
             pieces += [Piece(p.name, p.row_start, p.row_end, first + p.shard, p.offset, p.numel)
                        for p in layout.pieces]
             numels += layout.shard_numel
-        return cls(shapes, tuple(pieces), tuple(numels))
+            ps += layout.shard_ps
+        return cls(shapes, tuple(pieces), tuple(numels), tuple(ps))
 
     # -- flat buffers <-> tensors --------------------------------------------------------------
     def split(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -120,9 +137,25 @@ class Layout:
     def to_dict(self) -> dict:
         return {"shapes": {n: list(s) for n, s in self.shapes.items()},
                 "pieces": [asdict(p) for p in self.pieces],
-                "shard_numel": list(self.shard_numel)}
+                "shard_numel": list(self.shard_numel), "shard_ps": list(self.shard_ps)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
         return cls({n: tuple(s) for n, s in d["shapes"].items()},
-                   tuple(Piece(**p) for p in d["pieces"]), tuple(d["shard_numel"]))
+                   tuple(Piece(**p) for p in d["pieces"]), tuple(d["shard_numel"]),
+                   tuple(d["shard_ps"]))
+
+
+def _buckets(chunks: list[tuple], num_ps: int, bucket_bytes: int) -> list[list[tuple]]:
+    """Consecutive chunks in reverse model order, about `bucket_bytes` each and at least
+    `num_ps` buckets (so every PS gets work) when there are enough chunks: a chunk goes to the
+    bucket its midpoint falls in, along the cumulative bytes."""
+    total = sum(c[0] for c in chunks)
+    count = min(len(chunks), max(num_ps, math.ceil(total / bucket_bytes)))
+    target = total / max(1, count)
+    buckets: list[list[tuple]] = [[] for _ in range(count)]
+    done = 0
+    for c in reversed(chunks):
+        buckets[min(count - 1, int((done + c[0] / 2) / target))].append(c)
+        done += c[0]
+    return [b for b in buckets if b]

@@ -141,8 +141,9 @@ class Stage:
             for p in self.params:
                 if p in grads:
                     p.grad.copy_(grads[p])
+        self.faults.before_backward(self.reply.version)
         sends = [self.flat.grad_to_send(k) for k in range(len(self.flat.params))]
-        self.faults.before_push(self.reply.version, sends)
+        self.faults.corrupt(self.reply.version, sends)
         futures = self.client.push_pull_async(self._versions, sends, loss, samples)
         return torch.futures.collect_all(futures).then(
             lambda _: self._load(self.client.wait(futures)))

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 class SyncAggregator:
     def __init__(self, shard, cfg, num_workers: int):
         self.shard = shard
+        self.num_workers = num_workers
         self.replicas_to_aggregate = cfg.replicas_to_aggregate or num_workers
         self.timeout_s = float(cfg.timeout_s)
         self.live = LiveSet(num_workers)
@@ -40,8 +41,8 @@ class SyncAggregator:
                                   f"{shard.name}-round-timeout")
 
     def _new_round(self) -> None:
-        self._sum.zero_()
         self._members: set[int] = set()
+        self._first: Optional[torch.Tensor] = None  # a round's lone gradient, not yet summed
         self._losses: list[float] = []
         self._samples = 0
         self._opened: Optional[float] = None
@@ -63,7 +64,18 @@ class SyncAggregator:
             if worker in self._members:
                 return comm.failed(PushRejected(
                     f"{shard.name}: worker{worker} pushed twice for step {version}"))
-            self._sum.add_(grad)  # grad may be bf16/fp16 on the wire; the sum stays float32
+            # The first gradient of a round is kept as is (no pass over it); the second is added
+            # to it into the float32 sum buffer, later ones in place (grad may be bf16 on the wire).
+            if not self._members:
+                self._first = grad
+            elif self._first is not None:
+                if grad.dtype == torch.float32:
+                    torch.add(self._first, grad, out=self._sum)
+                else:  # sum bf16/fp16 gradients in float32, not in their own precision
+                    self._sum.copy_(self._first).add_(grad)
+                self._first = None
+            else:
+                self._sum.add_(grad)
             self._members.add(worker)
             self._losses.append(float(loss))
             self._samples += int(samples)
@@ -79,13 +91,18 @@ class SyncAggregator:
         """Average, step, reply. Caller holds the lock; returns (future, reply) to complete."""
         shard = self.shard
         count = len(self._members)
+        total = self._sum if self._first is None else self._first
         for w in self._members:  # counters first: a checkpoint taken in apply() includes them
             shard.stats.applied(w, 0)
         shard.stats.samples += self._samples
         loss = sum(self._losses) / count
         shard.record_loss(loss)
-        shard.apply(self._sum.div_(count))
-        reply = shard.reply(accepted=True, loss=loss)
+        shard.apply(total if count == 1 else total.div_(count))
+        # Zero-copy when every worker is in the round: none can push again (and no update can
+        # happen) before it has received this reply in full. With backups or lost workers a
+        # faster worker could close the next round while a reply is still being written.
+        everyone = count == self.num_workers and not self.live.lost
+        reply = shard.reply(accepted=True, loss=loss, shared=everyone)
         future = self._future
         self._new_round()
         return future, reply

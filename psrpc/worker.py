@@ -63,10 +63,10 @@ class ShardClient:
     def __init__(self, shards: list, worker: int, timeout_s: Optional[float] = None):
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
 
-    def wait(self, futures) -> list[Reply]:
-        """The replies, or an error naming the PS that failed."""
+    def wait(self, futures, first: int = 0) -> list[Reply]:
+        """The replies (of shards first, first+1, ...), or an error naming the PS that failed."""
         replies = []
-        for k, fut in enumerate(futures):
+        for k, fut in enumerate(futures, start=first):
             try:
                 replies.append(fut.wait())
             except Exception as e:
@@ -80,6 +80,12 @@ class ShardClient:
         return [comm.invoke(rref, "push_pull", self.worker, v, g, loss, samples,
                             timeout_s=self.timeout_s)
                 for rref, v, g in zip(self.shards, versions, grads)]
+
+    def push_one(self, shard: int, version: int, grad: torch.Tensor, loss: float,
+                 samples: int):
+        """Push one shard now (while backward goes on); returns the Future of its Reply."""
+        return comm.invoke(self.shards[shard], "push_pull", self.worker, version, grad, loss,
+                           samples, timeout_s=self.timeout_s)
 
     def push_pull(self, versions: list[int], grads: list[torch.Tensor], loss: float,
                   samples: int) -> list[Reply]:
@@ -143,13 +149,39 @@ class Worker(Replica):
             self.flat.load(k, r.params)
         return [r.version for r in replies]
 
-    def compute(self, step: int) -> float:
-        """Forward and backward on this worker's rows of global batch `step`; returns the loss."""
+    def receive(self, futures: list) -> list[Reply]:
+        """Wait for each shard's reply and copy it in at once, while later ones still arrive."""
+        replies = []
+        for k, fut in enumerate(futures):
+            (reply,) = self.client.wait([fut], first=k)
+            self.flat.load(k, reply.params)
+            replies.append(reply)
+        return replies
+
+    def step(self, step: int, versions: list[int]) -> tuple[float, list]:
+        """Forward and backward on this worker's rows of global batch `step`, pushing each shard
+        as soon as backward completes it. Returns the loss and the push Futures."""
         x, y = self.batch_for(step)
         self.flat.zero_grad()
         loss = F.cross_entropy(self.model(x), y)
+        value = loss.item()
+        futures: list = [None] * len(versions)
+
+        def push(k: int) -> None:
+            futures[k] = self.client.push_one(k, versions[k], self.flat.grad_to_send(k), value,
+                                              self.batch)
+
+        nan = self.faults.nan_due(step)  # a NaN injection needs every gradient first
+        if not nan:
+            self.flat.arm(push)
+        self.faults.before_backward(step)
         loss.backward()
-        return loss.item()
+        rest = self.flat.disarm() if not nan else list(range(len(versions)))
+        if nan:
+            self.faults.corrupt(step, [self.flat.grad_to_send(k) for k in rest])
+        for k in rest:  # shards with unused parameters, or all of them after a NaN injection
+            push(k)
+        return value, futures
 
     def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
         """Train until the shards say training is finished. `after_step` is the chief's hook;
@@ -158,13 +190,11 @@ class Worker(Replica):
         versions = self.load(replies)
         while not replies[0].finished:
             t0 = time.perf_counter()
-            loss = self.compute(versions[0])
-            grads = [self.flat.grad_to_send(k) for k in range(len(versions))]
-            self.faults.before_push(versions[0], grads)
+            loss, futures = self.step(versions[0], versions)
             t1 = time.perf_counter()
-            replies = self.client.push_pull(versions, grads, loss, self.batch)
+            replies = self.receive(futures)
             t2 = time.perf_counter()
-            versions = self.load(replies)
+            versions = [r.version for r in replies]
             self.stats.pushes += 1
             self.stats.accepted += int(replies[0].accepted)
             self.stats.compute_s += t1 - t0

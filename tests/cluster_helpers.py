@@ -40,10 +40,10 @@ class IntegerGradWorker(Worker):
 class FailingWorker(Worker):
     """worker1 raises in the middle of training: a bug in a rank."""
 
-    def compute(self, step: int) -> float:
+    def step(self, step: int, versions):
         if self.index == 1 and step == 5:
             raise RuntimeError("worker1 hit a bug at step 5")
-        return super().compute(step)
+        return super().step(step, versions)
 
 
 class SlowChiefWorker(Worker):

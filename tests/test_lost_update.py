@@ -29,7 +29,7 @@ def test_master_copy_is_start_minus_every_applied_update(tmp_path, update):
     from psrpc.layout import Layout
 
     layout = Layout.plan({n: tuple(p.shape) for n, p in start.items()}, 2,
-                         cfg.cluster.max_shard_bytes)
+                         cfg.cluster.max_shard_bytes, cfg.cluster.bucket_bytes)
     flats = layout.split({n: p.detach() for n, p in start.items()})
     for k, n in enumerate(layout.shard_numel):
         total = sum(integer_grad(i, s, n) for i in range(W) for s in range(ROUNDS))

@@ -1,0 +1,136 @@
+"""What every benchmark shares: configs (Hydra's compose API), running psrpc and its peers side
+by side, and writing results (JSON, CSV, Markdown table, PNG plot) with the command, the commit
+and the machine that produced them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_CONF = ROOT / "benchmarks" / "conf"
+MNIST_ROOT = ROOT.parent / "shared" / "data"
+
+
+def bench_config(name: str, argv: list[str]):
+    """The benchmark's own options: benchmarks/conf/<name>.yaml plus command-line overrides."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(BENCH_CONF), version_base="1.3"):
+        return compose(name, overrides=argv)
+
+
+def psrpc_config(overrides: list[str]):
+    """The typed psrpc Config that `python -m psrpc <overrides>` would run."""
+    from hydra import compose, initialize_config_dir
+
+    from psrpc.config import register_configs, resolve_paths, to_config, validate
+    from psrpc.pipeline import check_model_parallel
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = to_config(compose("config", overrides=list(overrides)))
+    resolve_paths(cfg, str(ROOT))
+    validate(cfg)
+    check_model_parallel(cfg)
+    return cfg
+
+
+def run_psrpc(overrides: list[str], worker_cls=None, timeout_s: float = 1800) -> dict:
+    """One psrpc run through the real launcher; returns its summary.json."""
+    from psrpc.launch import launch
+
+    cfg = psrpc_config(overrides)
+    with tempfile.TemporaryDirectory(prefix="psrpc-bench-") as out:
+        launch(cfg, Path(out), timeout_s=timeout_s, worker_cls=worker_cls)
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    summary["metrics"] = metrics
+    return summary
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = "unknown"
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
+                   if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                             capture_output=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrpc", "benchmarks"],
+                               cwd=ROOT, text=True, capture_output=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def command() -> str:
+    return "python -m " + " ".join([Path(sys.argv[0]).with_suffix("").relative_to(ROOT).as_posix()
+                                    .replace("/", ".")] + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+def header() -> dict:
+    meta = {"command": command(), "commit": commit(), "machine": machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"# {meta['command']}\n# commit {meta['commit']} on {meta['machine']['cpu']}, "
+          f"{meta['machine']['cores']} cores, torch {meta['machine']['torch']}", flush=True)
+    return meta
+
+
+def write_results(out_dir: Path, meta: dict, rows: list[dict], columns: list[str],
+                  title: str, plot: Optional[Callable] = None, notes: str = "") -> None:
+    """results.json, results.csv, results.md (table + command + machine) and plot.png."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        w.writeheader()
+        w.writerows(rows)
+    lines = [f"# {title}", "", f"Command: `{meta['command']}`  ",
+             f"Commit: `{meta['commit']}`, {meta['date']}  ",
+             f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
+             f"torch {meta['machine']['torch']}, Python {meta['machine']['python']}", ""]
+    if notes:
+        lines += [notes, ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = plot(plt, rows)
+        fig.savefig(out_dir / "plot.png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        lines += ["", "![plot](plot.png)"]
+    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[len(lines) - len(rows) - 2:]), flush=True)
+    print(f"# results in {out_dir}", flush=True)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return "" if v is None else str(v)
