@@ -43,12 +43,14 @@ def main(argv: list[str]) -> None:
     rows = []
     for model in b.models:
         for w in b.workers:
-            cell = {}
-            for system in b.systems:
-                runs = [measure(system, common_overrides(b, model, w), list(b.psrpc))
-                        for _ in range(b.repeats)]
-                cell[system] = statistics.median(runs)
-                print(f"{model:9s} W={w} {system:12s} {cell[system]:9.1f} samples/s", flush=True)
+            runs: dict[str, list[float]] = {s: [] for s in b.systems}
+            for _ in range(b.repeats):  # systems interleaved: they see the same machine
+                for system in b.systems:
+                    runs[system].append(measure(system, common_overrides(b, model, w),
+                                                list(b.psrpc)))
+                    print(f"{model:9s} W={w} {system:12s} {runs[system][-1]:9.1f} samples/s",
+                          flush=True)
+            cell = {s: statistics.median(v) for s, v in runs.items()}
             for system, value in cell.items():
                 rows.append({"model": model, "workers": w, "system": system,
                              "samples_per_s": round(value, 1),

@@ -8,6 +8,7 @@ reference): `get_plan` (async: answered once the shards exist), `report_done` an
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -22,7 +23,7 @@ from psrpc.config import Config
 from psrpc.data import load_dataset
 from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
-from psrpc.hooks import Hooks, StepInfo, Throughput, default_hooks
+from psrpc.hooks import Hooks, RunContext, StepInfo, Throughput, default_hooks
 from psrpc.layout import Layout
 from psrpc.optim import build_optimizer
 from psrpc.pipeline import cut_points, stage_shapes
@@ -68,6 +69,7 @@ class Chief:
         self.plan: Optional[Plan] = None
         self.lost: list[int] = []  # workers that never reported done
         self.stopped_early = False
+        self._eval_model = None
 
     # -- start ---------------------------------------------------------------------------------
     def initialise(self):
@@ -160,7 +162,8 @@ class Chief:
         extra = [saver] if saver else []
         extra += [_instantiate(h) for h in self.cfg.hooks]
         self.hooks = Hooks(default_hooks(self.out_dir, self.cfg) + extra)
-        self.hooks.begin(start, self.cfg.train.steps)
+        self.hooks.begin(RunContext(start, self.cfg.train.steps, self.out_dir,
+                                    lambda: self.evaluate(worker, self.gather(worker))))
         t_train = time.perf_counter()
         worker.run(self.after_step)
         wall_s = time.perf_counter() - t_train
@@ -183,13 +186,19 @@ class Chief:
         return lost
 
     # -- end -----------------------------------------------------------------------------------
+    def gather(self, worker: Worker) -> dict:
+        """The full model's state_dict from the shards (CPU); buffers (BatchNorm statistics)
+        are the chief's own."""
+        flats = [f.wait()[1] for f in [comm.invoke(r, "pull_full") for r in self.plan.all_shards]]
+        state = self.plan.layout.join(flats)
+        for name, buf in worker.model.named_buffers():
+            state[name] = buf.detach().cpu().clone()
+        return state
+
     def finish(self, worker: Worker, wall_s: float, lost: list[int], total_s: float) -> dict:
         plan, cfg = self.plan, self.cfg
-        flats = [f.wait()[1] for f in [comm.invoke(r, "pull_full") for r in plan.all_shards]]
+        state = self.gather(worker)
         reports = comm.wait_all([comm.invoke(r, "report") for r in plan.all_shards])
-        state = plan.layout.join(flats)
-        for name, buf in worker.model.named_buffers():  # BatchNorm statistics: the chief's copy
-            state[name] = buf.detach().cpu().clone()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(state, self.out_dir / "model.pt")
         accuracy = self.evaluate(worker, state)
@@ -221,11 +230,14 @@ class Chief:
         return summary
 
     def evaluate(self, worker: Worker, state: dict) -> Optional[float]:
-        """Test accuracy of the gathered model (None when the data has no test split)."""
+        """Test accuracy of `state` (None when the data has no test split), on a copy of the
+        chief's model so its training replica is left alone."""
         test = worker.data.test
         if test is None:
             return None
-        model = worker.model
+        if self._eval_model is None:
+            self._eval_model = copy.deepcopy(worker.model)
+        model = self._eval_model
         model.load_state_dict({k: v.to(worker.device) for k, v in state.items()})
         model.eval()
         correct, bs = 0, self.cfg.train.eval_batch_size
@@ -233,7 +245,6 @@ class Chief:
             for i in range(0, len(test), bs):
                 x, y = test.x[i:i + bs].to(worker.device), test.y[i:i + bs].to(worker.device)
                 correct += int((model(x).argmax(1) == y).sum())
-        model.train()
         return correct / len(test)
 
 

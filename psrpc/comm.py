@@ -67,8 +67,11 @@ def shutdown(graceful: bool, timeout_s: float = 30.0) -> None:
     dead peer torch would wait forever, DESIGN §8)."""
     try:
         rpc.shutdown(graceful=graceful, timeout=timeout_s)
-    except Exception:  # a peer vanished mid-shutdown: the local agent is down regardless
-        if graceful:
+    except Exception:
+        # A peer that finished first closed its pipes while this one was still joining
+        # ("Connection reset by peer"): harmless once everyone has agreed to stop. torch has
+        # finalised the local agent in its own `finally` unless the wait itself failed.
+        if rpc.api._is_current_rpc_agent_set():
             rpc.shutdown(graceful=False)
 
 

@@ -11,7 +11,8 @@ StopAtStep, and the checkpoint saver (psrpc/saver.py). Add your own from the com
         def end(self, summary: dict) -> None: ...
 
 `after_step` runs on the chief's training thread: keep it cheap. Set `info.stop = True` to end
-training early (the chief stops the cluster cleanly).
+training early (the chief stops the cluster cleanly). `begin(run)` receives a RunContext whose
+`evaluate()` gives the test accuracy of the current master weights.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from psrpc.errors import PsrpcError
 
@@ -41,9 +42,19 @@ class StepInfo:
     stop: bool = False  # a hook sets it to end training
 
 
+@dataclass
+class RunContext:
+    """What a hook can use: where training starts and ends, where outputs go, and the model."""
+
+    start_step: int  # > 0 after a restore
+    total_steps: int
+    out_dir: Path
+    evaluate: Callable[[], Optional[float]]  # test accuracy of the current master weights
+
+
 class Hook:
-    def begin(self, start_step: int, total_steps: int) -> None:
-        """Training starts at global step `start_step` (> 0 after a restore)."""
+    def begin(self, run: RunContext) -> None:
+        """Training starts."""
 
     def after_step(self, info: StepInfo) -> None:
         pass
@@ -58,9 +69,9 @@ class Hooks(Hook):
     def __init__(self, hooks: list[Hook]):
         self.hooks = hooks
 
-    def begin(self, start_step: int, total_steps: int) -> None:
+    def begin(self, run: RunContext) -> None:
         for h in self.hooks:
-            h.begin(start_step, total_steps)
+            h.begin(run)
 
     def after_step(self, info: StepInfo) -> None:
         for h in self.hooks:
@@ -108,8 +119,9 @@ class MetricsLog(Hook):
         self._next = log_every
         self._total = 0
 
-    def begin(self, start_step: int, total_steps: int) -> None:
-        self._total = total_steps
+    def begin(self, run: RunContext) -> None:
+        self._total = run.total_steps
+        start_step = run.start_step
         self._next = (start_step // self.log_every + 1) * self.log_every
         self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # a restart appends
         try:
