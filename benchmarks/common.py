@@ -45,16 +45,20 @@ def psrpc_config(overrides: list[str]):
     return cfg
 
 
-def run_psrpc(overrides: list[str], worker_cls=None, timeout_s: float = 1800) -> dict:
-    """One psrpc run through the real launcher; returns its summary.json."""
+def run_psrpc(overrides: list[str], worker_cls=None, timeout_s: float = 1800,
+              extra_files=()) -> dict:
+    """One psrpc run through the real launcher; returns its summary.json (plus `metrics` and
+    any `extra_files`, JSON files a hook wrote into the run's out_dir)."""
     from psrpc.launch import launch
 
     cfg = psrpc_config(overrides)
     with tempfile.TemporaryDirectory(prefix="psrpc-bench-") as out:
         launch(cfg, Path(out), timeout_s=timeout_s, worker_cls=worker_cls)
         summary = json.loads((Path(out) / "summary.json").read_text())
-        metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    summary["metrics"] = metrics
+        summary["metrics"] = [json.loads(x) for x in
+                              (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        for name in extra_files:
+            summary[name] = json.loads((Path(out) / name).read_text())
     return summary
 
 

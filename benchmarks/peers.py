@@ -1,8 +1,9 @@
 """The peers psrpc is measured against, run with the same model, data, batch and threads:
-single-process training and PyTorch DDP over gloo. Each returns steady-state samples/s.
+single-process training and PyTorch DDP over gloo.
 
-Both reuse psrpc's own data order (DESIGN §4), model registry and torch.optim, so the only
-difference from a psrpc run is how gradients are combined.
+Both reuse psrpc's own data order (DESIGN §4), model registry and optimizer builder, so the only
+difference from a psrpc run is how gradients are combined. Each returns steady-state samples/s;
+DDP can also stop at a target test accuracy (time to accuracy, evaluation time excluded).
 """
 
 from __future__ import annotations
@@ -27,44 +28,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_loop(cfg: Config, rank: int, world: int, model, step_fn, slow_s: float = 0.0,
-                slow_rank: Optional[int] = None, deadline_hook=None) -> dict:
-    """Shared loop: returns steady-state samples/s (global) and per-step losses."""
-    data = load_dataset(cfg.data, cfg.train.seed)
-    B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
-    batches = GlobalBatches(len(data.train), world * B, cfg.train.seed)
-    t_start = None
-    for step in range(steps):
-        if step == warm:
-            t_start = time.perf_counter()
-        idx = batches.slice_for(step, rank, B)
-        loss = step_fn(data.train.x[idx], data.train.y[idx], slow_s if rank == slow_rank else 0.0)
-        if deadline_hook is not None:
-            deadline_hook(step, loss, model)
-    elapsed = time.perf_counter() - t_start
-    return {"samples_per_s": (steps - warm) * world * B / elapsed, "wall_s": elapsed}
+def accuracy(model, split, batch: int = 1000) -> float:
+    model.eval()
+    with torch.no_grad():
+        correct = sum(int((model(split.x[i:i + batch]).argmax(1) == split.y[i:i + batch]).sum())
+                      for i in range(0, len(split), batch))
+    model.train()
+    return correct / len(split)
 
 
 def single_process(cfg: Config, threads: Optional[int] = None) -> dict:
-    """One process, the whole batch (W × B with W = cluster.num_workers), all the threads."""
+    """One process, batch train.batch_size, all the threads."""
     torch.set_num_threads(threads or os.cpu_count())
     torch.manual_seed(cfg.train.seed)
     data = load_dataset(cfg.data, cfg.train.seed)
     model = build_model(cfg.model.name, data.image_shape, data.num_classes)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
-
-    def step(x, y, slow_s):
+    B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
+    batches = GlobalBatches(len(data.train), B, cfg.train.seed)
+    for step in range(steps):
+        if step == warm:
+            t0 = time.perf_counter()
+        idx = batches.slice_for(step, 0, B)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        F.cross_entropy(model(data.train.x[idx]), data.train.y[idx]).backward()
         opt.step()
-        return loss.item()
-
-    return _train_loop(cfg, 0, 1, model, step)
+    elapsed = time.perf_counter() - t0
+    return {"samples_per_s": (steps - warm) * B / elapsed, "wall_s": elapsed}
 
 
 def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_s: float,
-              slow_rank, out):
+              slow_rank, eval_every: int, target: Optional[float], out) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -75,34 +69,49 @@ def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_
     data = load_dataset(cfg.data, cfg.train.seed)
     model = DDP(build_model(cfg.model.name, data.image_shape, data.num_classes))
     opt = build_optimizer(list(model.parameters()), cfg.optim)
-
-    def step(x, y, slow):
+    B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
+    batches = GlobalBatches(len(data.train), world * B, cfg.train.seed)
+    stop = torch.zeros(1)
+    reached, t0 = None, time.perf_counter()
+    for step in range(steps):
+        if step == warm:
+            t0 = time.perf_counter()
+        idx = batches.slice_for(step, rank, B)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        if slow:
-            time.sleep(slow)  # the same straggler as psrpc's fault.slow_worker
+        loss = F.cross_entropy(model(data.train.x[idx]), data.train.y[idx])
+        if rank == slow_rank and slow_s:
+            time.sleep(slow_s)  # the same straggler as psrpc's fault.slow_worker
         loss.backward()
         opt.step()
-        return loss.item()
-
-    result = _train_loop(cfg, rank, world, model, step, slow_s, slow_rank)
+        if target is not None and (step + 1) % eval_every == 0:
+            if rank == 0 and accuracy(model.module, data.test) >= target:
+                stop.fill_(1)
+            dist.broadcast(stop, 0)  # the others wait for rank 0's evaluation
+            if stop.item():
+                reached = step + 1
+                break
+    trained_s = time.perf_counter() - t0
     if rank == 0:
-        out.put(result)
+        done = reached or steps
+        out.put({"samples_per_s": (done - (0 if target else warm)) * world * B / trained_s,
+                 "wall_s": trained_s, "steps": done, "reached": reached is not None})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def ddp(cfg: Config, slow_s: float = 0.0, slow_rank: Optional[int] = None) -> dict:
-    """torch DDP over gloo, W = cluster.num_workers processes of batch B, cores / W threads."""
-    world = cfg.cluster.num_workers
-    threads = cfg.cluster.worker_threads or max(1, (os.cpu_count() or 1) // world)
+def ddp(cfg: Config, slow_s: float = 0.0, slow_rank: Optional[int] = None,
+        eval_every: int = 0, target: Optional[float] = None) -> dict:
+    """torch DDP over gloo, W = cluster.num_workers processes of batch B, cores / W threads.
+    With `target`, stops once rank 0's test accuracy reaches it (checked every `eval_every`)."""
     from psrpc.launch import process_context
 
+    world = cfg.cluster.num_workers
+    threads = cfg.cluster.worker_threads or max(1, (os.cpu_count() or 1) // world)
     ctx = process_context()  # the forkserver psrpc's own processes come from: same start-up
     out = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_ddp_rank,
-                         args=(r, world, port, cfg, threads, slow_s, slow_rank, out))
+    procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, cfg, threads, slow_s, slow_rank,
+                                                 eval_every, target, out))
              for r in range(world)]
     for p in procs:
         p.start()

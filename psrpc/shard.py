@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -74,6 +75,7 @@ class ShardStats:
     nan_rejected: int = 0
     staleness_max: int = 0
     staleness_sum: int = 0
+    busy_s: float = 0.0  # time spent in push_pull handlers (the PS side of a round)
     per_worker_applied: dict = field(default_factory=dict)
     per_worker_stale: dict = field(default_factory=dict)
 
@@ -120,10 +122,18 @@ class Shard:
     def push_pull(self, worker: int, version: int, grad: torch.Tensor, loss: float,
                   samples: int):
         """Push one gradient computed on `version`; the Future holds the Reply with fresh params."""
+        t0 = time.perf_counter()
         try:
             self._check(worker, version, grad)
         except PushRejected as e:
             return comm.failed(e)
+        try:
+            return self._push(worker, version, grad, loss, samples)
+        finally:
+            # unlocked: a rare lost increment between RPC threads only blurs a measurement
+            self.stats.busy_s += time.perf_counter() - t0
+
+    def _push(self, worker: int, version: int, grad: torch.Tensor, loss: float, samples: int):
         # One float32 sum: NaN and ±Inf propagate into it (a finite gradient overflowing float32
         # in sum would be absurd); 20× cheaper than isfinite(grad).all()'s 45 MB bool mask.
         if not bool(torch.isfinite(grad.sum(dtype=torch.float32))):
@@ -177,7 +187,8 @@ class Shard:
                     "mean_staleness": s.staleness_sum / max(1, s.applied_pushes),
                     "per_worker_applied": dict(s.per_worker_applied),
                     "per_worker_stale": dict(s.per_worker_stale),
-                    "loss": self.recent_loss,
+                    "loss": self.recent_loss, "busy_s": round(s.busy_s, 4),
+                    "ps": self.name.split("/")[0],
                     "workers_lost": sorted(self.updater.live.lost)}
 
     def close(self) -> None:
