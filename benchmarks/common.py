@@ -80,7 +80,8 @@ def commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                              capture_output=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrpc", "benchmarks"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrpc", "conf",
+                                "benchmarks", ":(exclude)benchmarks/results"],
                                cwd=ROOT, text=True, capture_output=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except OSError:
