@@ -75,56 +75,70 @@ class Chief:
     def initialise(self):
         """Build the model (seeded) or restore the newest checkpoint, create the shards on the
         PS (per pipeline stage in model-parallel mode), hand the plan to the workers."""
-        cfg, topo = self.cfg, self.topo
+        cfg = self.cfg
         try:
             torch.manual_seed(cfg.train.seed)
             dataset = load_dataset(cfg.data, cfg.train.seed)
             model = self.worker_cls.build_model(cfg, dataset)
-            named = {n: p.detach() for n, p in model.named_parameters()}
-            cuts = ([0] if cfg.parallel.name == "data" else
-                    cut_points(model, cfg.parallel.stages, cfg.parallel.split))
-            shapes = ([{n: tuple(p.shape) for n, p in named.items()}] if len(cuts) == 1
-                      else stage_shapes(model, cuts))
-            layouts = [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes,
-                                   cfg.cluster.bucket_bytes) for sh in shapes]
+            cuts, layouts = self._plan_layouts(model)
             layout = Layout.concat(layouts)
             restored = checkpoint.find_latest(cfg.checkpoint.dir)
-            if restored is None:
-                flats, states, version = layout.split(named), [None] * layout.num_shards, 0
-            else:
-                self._check_restorable(restored)
-                fresh = build_optimizer([torch.zeros(1)], cfg.optim).state_dict()
-                flats, states = checkpoint.reshard(restored, layout, fresh)
-                version = restored.step
-                log.info("restored step %d from %s (%d shard(s) -> %d)", version,
-                         checkpoint.step_dir(cfg.checkpoint.dir, version),
-                         restored.layout.num_shards, layout.num_shards)
-            stats = _stats_for(restored)
-            shards = []
-            stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
-            for g in range(layout.num_shards):  # shard g lives on ps{layout.shard_ps[g]}
-                k = layout.shard_ps[g]
-                name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(cuts) > 1 else "")
-                spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas,
-                                 cfg.train.steps, version, states[g], cfg.checkpoint.dir,
-                                 cfg.checkpoint.every_steps,
-                                 build_faults(cfg.fault, "ps", k, topo.restart_count), stats, name)
-                shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
-            for rref in shards:  # surface a constructor's error here
-                comm.invoke(rref, "report").wait()
-            per_stage = [[shards[g] for g in range(len(shards)) if stage_of[g] == s]
-                         for s in range(len(cuts))]
-            self.plan = Plan(layouts, per_stage, cuts, restored.step if restored else None)
+            flats, states = self._initial_state(model, layout, restored)
+            shards = self._create_shards(layouts, flats, states, restored)
+            self.plan = Plan(layouts, shards, cuts, restored.step if restored else None)
         except Exception as e:
             _PLAN.set_exception(PsrpcError(f"the chief failed to initialise: {e}"))
             raise
         _PLAN.set_result(self.plan)
         log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
                  sum(layout.shard_numel), layout.num_shards,
-                 "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
-                 f" ({topo.replicas} replicas × {len(cuts)} stages, cuts {cuts})"
+                 "/".join(str(n) for n in layout.shard_numel), self.topo.num_workers,
+                 f" ({self.topo.replicas} replicas × {len(cuts)} stages, cuts {cuts})"
                  if len(cuts) > 1 else "", cfg.update.name)
         return model, dataset
+
+    def _plan_layouts(self, model) -> tuple[list[int], list[Layout]]:
+        """Where every parameter goes: one layout per pipeline stage (data parallel: one)."""
+        cfg = self.cfg
+        if cfg.parallel.name == "data":
+            cuts, shapes = [0], [{n: tuple(p.shape) for n, p in model.named_parameters()}]
+        else:
+            cuts = cut_points(model, cfg.parallel.stages, cfg.parallel.split)
+            shapes = stage_shapes(model, cuts)
+        return cuts, [Layout.plan(sh, self.topo.num_ps, cfg.cluster.max_shard_bytes,
+                                  cfg.cluster.bucket_bytes) for sh in shapes]
+
+    def _initial_state(self, model, layout: Layout, restored: Optional[checkpoint.Restored]):
+        """Flat parameters and optimizer state per shard: the fresh model's, or the checkpoint's
+        re-split for this layout."""
+        if restored is None:
+            named = {n: p.detach() for n, p in model.named_parameters()}
+            return layout.split(named), [None] * layout.num_shards
+        self._check_restorable(restored)
+        fresh = build_optimizer([torch.zeros(1)], self.cfg.optim).state_dict()
+        flats, states = checkpoint.reshard(restored, layout, fresh)
+        log.info("restored step %d from %s (%d shard(s) -> %d)", restored.step,
+                 checkpoint.step_dir(self.cfg.checkpoint.dir, restored.step),
+                 restored.layout.num_shards, layout.num_shards)
+        return flats, states
+
+    def _create_shards(self, layouts, flats, states, restored) -> list[list]:
+        """One Shard per (stage, bucket) on its PS, via rpc.remote; RRefs grouped by stage."""
+        cfg, topo = self.cfg, self.topo
+        version = restored.step if restored else 0
+        stats = _stats_for(restored)
+        stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
+        shard_ps = Layout.concat(layouts).shard_ps
+        shards = []
+        for g, k in enumerate(shard_ps):  # shard g lives on ps{k}
+            name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
+            spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
+                             version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
+                             build_faults(cfg.fault, "ps", k, topo.restart_count), stats, name)
+            shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
+        for rref in shards:  # surface a constructor's error here
+            comm.invoke(rref, "report").wait()
+        return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
     def _check_restorable(self, restored: checkpoint.Restored) -> None:
         saved_optim = restored.manifest.get("optim")

@@ -89,6 +89,7 @@ def _rank_pids(root: int) -> dict[int, int]:
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 2], ids=["ps0", "worker1"])
 def test_torchrun_restarts_after_kill_9_and_resumes_from_checkpoint(tmp_path, victim):
     ck, out = tmp_path / "ck", tmp_path / "out"

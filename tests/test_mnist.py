@@ -4,7 +4,7 @@ import pytest
 
 from tests.conftest import MNIST_ROOT, run_cluster
 
-pytestmark = [pytest.mark.timeout(400),
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow,
               pytest.mark.skipif(not (MNIST_ROOT / "MNIST" / "raw").is_dir(),
                                  reason="needs ../shared/data/MNIST")]
 

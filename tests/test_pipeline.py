@@ -72,6 +72,7 @@ def test_model_parallel_async_runs_to_the_end(tmp_path):
     assert summary["steps"] == 40 and summary["update"] == "async"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (MNIST_ROOT / "MNIST" / "raw").is_dir(), reason="needs ../shared/data")
 def test_mnist_cnn_two_stages_97_percent_in_one_epoch(tmp_path):
     summary, _ = run_cluster(tmp_path, MP + [
