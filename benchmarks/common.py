@@ -80,8 +80,8 @@ def commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                              capture_output=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrpc", "conf",
-                                "benchmarks", ":(exclude)benchmarks/results"],
+        code = ["psrpc", "conf", "benchmarks/*.py", "benchmarks/conf"]  # not docs or results
+        dirty = subprocess.run(["git", "status", "--porcelain", "--"] + code,
                                cwd=ROOT, text=True, capture_output=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except OSError:
