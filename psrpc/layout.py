@@ -44,9 +44,6 @@ class Layout:
     def num_shards(self) -> int:
         return len(self.shard_numel)
 
-    def pieces_of(self, shard: int) -> list[Piece]:
-        return [p for p in self.pieces if p.shard == shard]
-
     def pieces_for(self, name: str) -> list[Piece]:
         return [p for p in self.pieces if p.name == name]
 

@@ -23,7 +23,6 @@ class Topology:
     master_port: int = 0
     local_rank: int = 0
     local_world_size: int = 1
-    launched_by_torchrun: bool = False
     restart_count: int = 0
     """torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt of the group."""
     stages: int = 1
@@ -53,7 +52,6 @@ class Topology:
                 f"cluster.num_ps / cluster.num_workers")
         return cls(**base, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
-                   launched_by_torchrun="TORCHELASTIC_RUN_ID" in env,
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def with_rank(self, rank: int) -> "Topology":

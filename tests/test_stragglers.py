@@ -23,13 +23,15 @@ def test_backup_workers_rounds_do_not_wait_for_the_slow_one(tmp_path):
 
 @pytest.mark.parametrize("bound", [2, None])
 def test_bounded_staleness_no_applied_gradient_staler_than_k(tmp_path, bound):
+    # long enough for the slow worker to push many times even when the others never wait
     summary, _ = run_cluster(tmp_path, [
-        "update=async", "cluster.num_workers=3", "train.steps=60", "fault.slow_worker=2",
-        "fault.slow_s=0.2", f"update.max_staleness={'null' if bound is None else bound}"])
-    assert summary["steps"] == 60
+        "update=async", "cluster.num_workers=3", "train.steps=240", "fault.slow_worker=2",
+        "fault.slow_s=0.05", f"update.max_staleness={'null' if bound is None else bound}"])
+    assert summary["steps"] == 240
+    assert int(summary["shards"][0]["per_worker_applied"].get("2", 0)) >= 3
     if bound is None:  # the check below can fail: unbounded, the slow worker's gradients are old
         assert summary["max_staleness"] > 2
     else:
         assert summary["max_staleness"] <= bound
-        # the slow worker still contributed: the fast ones waited for it
-        assert int(summary["shards"][0]["per_worker_applied"]["2"]) >= 5
+        # the fast ones waited for it: it made about a third of the updates
+        assert int(summary["shards"][0]["per_worker_applied"]["2"]) >= 240 // 3 - 10

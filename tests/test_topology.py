@@ -19,7 +19,7 @@ def test_from_env_reads_torchrun_variables():
            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "x"}
     t = Topology.from_env(1, 3, env=env)
     assert (t.rank, t.name, t.master_addr, t.master_port) == (3, "worker2", "10.0.0.1", 29555)
-    assert t.launched_by_torchrun and t.workers_on_this_node == 2
+    assert t.restart_count == 0 and t.workers_on_this_node == 2
     assert Topology.from_env(1, 3, env={}).rank is None  # no RANK: the local launcher's parent
 
 
