@@ -10,8 +10,9 @@ Worker i holds stage i % S of replica i // S. The replica's leader (its stage-0 
   land in each stage worker's autograd context (not in `.grad`: PyTorch's own pipeline example
   never updates its parameters because of this);
 - asks every stage to push: a stage reads its gradients from the context
-  (`dist_autograd.get_gradients`) into its flat per-shard buffers and `push_pull`s them to its
-  own shards, through the same sync/async update rules as data parallelism.
+  (`dist_autograd.get_gradients`; one per micro-batch, summed in micro-batch order so that a
+  run is reproducible) into its flat per-shard buffers and `push_pull`s them to its own shards,
+  through the same sync/async update rules as data parallelism.
 Each stage's parameters have their own shards on the PS (shard s·P + k on ps{k}), aggregated over
 the R replicas.
 """
@@ -21,12 +22,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from psrpc import comm
 from psrpc.config import Config
@@ -39,6 +42,8 @@ from psrpc.models import build_model
 from psrpc.shard import WIRE_DTYPES, Reply
 from psrpc.topology import Topology
 from psrpc.worker import Plan, Replica, ShardClient, pick_device
+
+_NO_PARAMS = torch.empty(0)
 
 
 # -- cutting the model ---------------------------------------------------------------------------
@@ -109,7 +114,9 @@ class Stage:
         image_shape, classes = data_shape(cfg.data)
         self.module = stage_module(build_model(cfg.model.name, image_shape, classes), cuts,
                                    stage).to(self.device)
-        self.params = list(self.module.parameters())
+        self.named = list(self.module.named_parameters())
+        self.params = [p for _, p in self.named]
+        self._leaves: dict[int, list[torch.Tensor]] = {}  # micro-batch -> its parameter leaves
         self.flat = FlatModel(self.module, layout, self.device,
                               WIRE_DTYPES[cfg.update.wire_dtype])
         self.client = ShardClient(shards, replica)
@@ -125,12 +132,23 @@ class Stage:
         return self.reply
 
     @comm.async_execution
-    def forward(self, x: torch.Tensor):
-        """Run this stage on one micro-batch and hand the result on; the Future holds the last
-        stage's output. Runs inside the leader's distributed autograd context."""
+    def forward(self, x: torch.Tensor, micro: int):
+        """Run this stage on micro-batch `micro` and hand the result on; the Future holds the
+        last stage's output. Runs inside the leader's distributed autograd context.
+
+        Each micro-batch runs on its own leaves of the parameters (`detach()`: same storage, no
+        copy), so distributed autograd keeps one gradient per micro-batch and `push` sums them
+        in micro-batch order. Left to itself it would sum them into one tensor in whatever
+        order the concurrent backward passes arrive: rounding that differs run to run, and is
+        enough to move a ReLU input across zero and change the trained model."""
         with self.lock:
-            y = self.module(x.to(self.device)).cpu()  # RPC carries CPU tensors
-        return comm.completed(y) if self.next is None else comm.invoke(self.next, "forward", y)
+            leaves = {n: p.detach().requires_grad_() for n, p in self.named}
+            self._leaves[micro] = list(leaves.values())
+            y = functional_call(self.module, leaves, (x.to(self.device),))
+            y = y.cpu()  # RPC carries CPU tensors
+        if self.next is None:
+            return comm.completed(y)
+        return comm.invoke(self.next, "forward", y, micro)
 
     @comm.async_execution
     def push(self, context_id: int, loss: float, samples: int):
@@ -138,9 +156,11 @@ class Stage:
         grads = dist_autograd.get_gradients(context_id)
         self.flat.zero_grad()
         with torch.no_grad():
-            for p in self.params:
-                if p in grads:
-                    p.grad.copy_(grads[p])
+            for micro in sorted(self._leaves):
+                for p, leaf in zip(self.params, self._leaves[micro]):
+                    if leaf in grads:
+                        p.grad.add_(grads[leaf])
+        self._leaves.clear()
         self.faults.before_backward(self.reply.version)
         sends = [self.flat.grad_to_send(k) for k in range(len(self.flat.params))]
         self.faults.corrupt(self.reply.version, sends)
@@ -149,11 +169,13 @@ class Stage:
             lambda _: self._load(self.client.wait(futures)))
 
     def _load(self, replies: list[Reply]) -> Reply:
+        """Load the pulled parameters; the leader gets the first shard's Reply without them
+        (it needs the step and the counters, not another copy of this stage's weights)."""
         for k, r in enumerate(replies):
             self.flat.load(k, r.params)
         self._versions = [r.version for r in replies]
-        self.reply = replies[0]
-        return replies[0]
+        self.reply = replace(replies[0], params=_NO_PARAMS)
+        return self.reply
 
 
 # -- the replica's leader: feeds the pipeline ------------------------------------------------------
@@ -180,8 +202,8 @@ class PipelineLeader(Replica):
         """Forward M micro-batches through the pipeline, backward, push every stage."""
         x, y = self.batch_for(step)
         with dist_autograd.context() as ctx:
-            outs = comm.wait_all([comm.invoke(self.stages[0], "forward", xm.cpu())
-                                  for xm in x.chunk(self.microbatches)])
+            outs = comm.wait_all([comm.invoke(self.stages[0], "forward", xm.cpu(), m)
+                                  for m, xm in enumerate(x.chunk(self.microbatches))])
             loss = F.cross_entropy(torch.cat(outs).to(self.device), y)
             dist_autograd.backward(ctx, [loss])
             value = loss.item()
