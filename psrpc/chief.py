@@ -201,12 +201,11 @@ class Chief:
 
     # -- end -----------------------------------------------------------------------------------
     def gather(self, worker: Worker) -> dict:
-        """The full model's state_dict from the shards (CPU); buffers (BatchNorm statistics)
-        are the chief's own."""
+        """The full model's state_dict: parameters from the shards, buffers (BatchNorm
+        statistics) from the chief's replica (its stages, in model parallel); CPU tensors."""
         flats = [f.wait()[1] for f in [comm.invoke(r, "pull_full") for r in self.plan.all_shards]]
         state = self.plan.layout.join(flats)
-        for name, buf in worker.model.named_buffers():
-            state[name] = buf.detach().cpu().clone()
+        state.update(worker.buffers())
         return state
 
     def finish(self, worker: Worker, wall_s: float, lost: list[int], total_s: float) -> dict:

@@ -5,7 +5,8 @@ Worker i holds stage i % S of replica i // S. The replica's leader (its stage-0 
 `Stage` on each of its stage workers (`comm.remote`), then per step:
 - sends every micro-batch to stage 0 with `rpc_async`; a stage runs its layers and forwards the
   result to the next stage itself, returning that call's Future (`async_execution`: no RPC
-  thread waits), so stage s works on micro-batch m+1 while stage s+1 works on m;
+  thread waits), so stage s works on micro-batch m+1 while stage s+1 works on m; each stage
+  runs its micro-batches one at a time, in order;
 - computes the loss on the last stage's outputs and runs `dist_autograd.backward`: gradients
   land in each stage worker's autograd context (not in `.grad`: PyTorch's own pipeline example
   never updates its parameters because of this);
@@ -30,6 +31,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torch.futures import Future
 
 from psrpc import comm
 from psrpc.config import Config
@@ -122,7 +124,14 @@ class Stage:
         self.client = ShardClient(shards, replica)
         self.faults = build_faults(cfg.fault, "worker", worker, restart_count)
         self.next: Optional[comm.RRef] = None
-        self.lock = threading.Lock()  # one micro-batch at a time through this stage
+        # Micro-batches run one at a time and in order (BatchNorm's running statistics depend
+        # on the order): whichever RPC thread finds the stage idle runs every micro-batch whose
+        # turn has come, the others just queue theirs; no RPC thread waits.
+        self.lock = threading.Lock()  # guards the queue
+        self.compute_lock = threading.Lock()  # the module, while a micro-batch runs
+        self._queue: dict[int, tuple[torch.Tensor, Future]] = {}
+        self._turn = 0  # the micro-batch to run next (push starts the next step at 0)
+        self._running = False
         self.reply = self._load(self.client.pull())
 
     def set_next(self, rref: comm.RRef) -> None:
@@ -131,24 +140,55 @@ class Stage:
     def first_reply(self) -> Reply:
         return self.reply
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """This stage's buffers (BatchNorm statistics), named as in the full model."""
+        with self.compute_lock:
+            return {n: b.detach().cpu().clone() for n, b in self.module.named_buffers()}
+
     @comm.async_execution
     def forward(self, x: torch.Tensor, micro: int):
         """Run this stage on micro-batch `micro` and hand the result on; the Future holds the
-        last stage's output. Runs inside the leader's distributed autograd context.
+        last stage's output. Runs inside the leader's distributed autograd context (one per
+        step, shared by the step's micro-batches)."""
+        done: Future = Future()
+        with self.lock:
+            self._queue[micro] = (x, done)
+            if self._running:
+                return done
+            self._running = True
+        self._run_queued()
+        return done
 
-        Each micro-batch runs on its own leaves of the parameters (`detach()`: same storage, no
-        copy), so distributed autograd keeps one gradient per micro-batch and `push` sums them
-        in micro-batch order. Left to itself it would sum them into one tensor in whatever
+    def _run_queued(self) -> None:
+        while True:
+            with self.lock:
+                micro = self._turn
+                item = self._queue.pop(micro, None)
+                if item is None:
+                    self._running = False
+                    return
+                self._turn += 1
+            x, done = item
+            try:
+                y = self._compute(x, micro)
+                if self.next is None:
+                    done.set_result(y)
+                else:
+                    comm.invoke(self.next, "forward", y, micro).then(
+                        lambda f, done=done: _pass_on(f, done))
+            except Exception as e:  # the leader's wait raises it
+                done.set_exception(e)
+
+    def _compute(self, x: torch.Tensor, micro: int) -> torch.Tensor:
+        """Each micro-batch runs on its own leaves of the parameters (`detach()`: same storage,
+        no copy), so distributed autograd keeps one gradient per micro-batch and `push` sums
+        them in micro-batch order. Left to itself it would sum them into one tensor in whatever
         order the concurrent backward passes arrive: rounding that differs run to run, and is
         enough to move a ReLU input across zero and change the trained model."""
-        with self.lock:
+        with self.compute_lock:
             leaves = {n: p.detach().requires_grad_() for n, p in self.named}
             self._leaves[micro] = list(leaves.values())
-            y = functional_call(self.module, leaves, (x.to(self.device),))
-            y = y.cpu()  # RPC carries CPU tensors
-        if self.next is None:
-            return comm.completed(y)
-        return comm.invoke(self.next, "forward", y, micro)
+            return functional_call(self.module, leaves, (x.to(self.device),)).cpu()
 
     @comm.async_execution
     def push(self, context_id: int, loss: float, samples: int):
@@ -161,6 +201,8 @@ class Stage:
                     if leaf in grads:
                         p.grad.add_(grads[leaf])
         self._leaves.clear()
+        with self.lock:
+            self._turn = 0
         self.faults.before_backward(self.reply.version)
         sends = [self.flat.grad_to_send(k) for k in range(len(self.flat.params))]
         self.faults.corrupt(self.reply.version, sends)
@@ -176,6 +218,13 @@ class Stage:
         self._versions = [r.version for r in replies]
         self.reply = replace(replies[0], params=_NO_PARAMS)
         return self.reply
+
+
+def _pass_on(src: Future, dst: Future) -> None:
+    try:
+        dst.set_result(src.value())
+    except Exception as e:
+        dst.set_exception(e)
 
 
 # -- the replica's leader: feeds the pipeline ------------------------------------------------------
@@ -197,6 +246,13 @@ class PipelineLeader(Replica):
                 topo.local_rank_of(rank), topo.role_of(rank)[1], topo.restart_count)))
         for s in range(len(names) - 1):
             comm.invoke(self.stages[s], "set_next", self.stages[s + 1]).wait()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The replica's buffers, from the stages that own them."""
+        out: dict[str, torch.Tensor] = {}
+        for part in comm.wait_all([comm.invoke(st, "buffers") for st in self.stages]):
+            out.update(part)
+        return out
 
     def step(self, step: int) -> tuple[list[Reply], float]:
         """Forward M micro-batches through the pipeline, backward, push every stage."""

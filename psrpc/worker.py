@@ -144,6 +144,10 @@ class Worker(Replica):
                               WIRE_DTYPES[cfg.update.wire_dtype])
         self.client = ShardClient(plan.shards[0], self.index)
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """This replica's buffers (BatchNorm statistics: not parameters, so not on the PS)."""
+        return {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()}
+
     def load(self, replies: list[Reply]) -> list[int]:
         for k, r in enumerate(replies):
             self.flat.load(k, r.params)

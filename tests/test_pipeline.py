@@ -78,6 +78,10 @@ def test_resnet18_two_stages_is_reproducible(tmp_path):
     assert first[0]["steps"] == 4 and first[0]["final_loss"] is not None
     assert first[1].keys() == second[1].keys()
     assert all(torch.equal(first[1][k], second[1][k]) for k in first[1])
+    # BatchNorm statistics come from the stages that trained them (stage 0 and stage 1 alike)
+    for bn in ("1", "7.1.bn2"):
+        assert not torch.equal(first[1][f"{bn}.running_mean"], torch.zeros_like(
+            first[1][f"{bn}.running_mean"])), bn
 
 
 def test_model_parallel_async_runs_to_the_end(tmp_path):
