@@ -30,7 +30,6 @@ class CheckpointSaver(Hook):
         self._last_time = time.monotonic()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chief-manifest")
         self._asked: dict[int, PyFuture] = {}
-        self.committed: list[int] = []
 
     def after_step(self, info: StepInfo) -> None:
         while self._next is not None and info.step >= self._next:
@@ -38,7 +37,10 @@ class CheckpointSaver(Hook):
             self._next += self.every_steps
         if self.every_s and time.monotonic() - self._last_time >= self.every_s:
             self._last_time = time.monotonic()
-            self.save(info.step + self.margin)
+            # Never past the next every_steps save: steps are asked (and committed, and older
+            # uncommitted ones pruned) in increasing order.
+            ahead = info.step + self.margin
+            self.save(ahead if self._next is None else min(ahead, self._next))
 
     def save(self, step: int) -> PyFuture:
         """Ask every shard for step `step`; the manifest follows once all have written it."""
@@ -56,7 +58,6 @@ class CheckpointSaver(Hook):
             return False
         checkpoint.write_manifest(self.root, step, self.layout, infos, self.extra)
         checkpoint.prune(self.root, self.keep, step)
-        self.committed.append(step)
         log.info("checkpoint step %d saved in %s", step, checkpoint.step_dir(self.root, step))
         return True
 

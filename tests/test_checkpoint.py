@@ -101,3 +101,23 @@ def test_checkpoint_for_another_model_is_refused(tmp_path):
     fresh = make_shard(sync()).optimizer.state_dict()
     with pytest.raises(Exception, match="made for another model"):
         checkpoint.reshard(r, Layout.plan({"w": (41, 5), "b": (40,), "v": (7, 3)}, 1, 400), fresh)
+
+
+def test_saver_asks_for_steps_in_increasing_order(monkeypatch):
+    """A time-based save asks a few steps ahead; it must not overtake the next every_steps save,
+    or committing the later step would prune the earlier one before its manifest is written."""
+    from types import SimpleNamespace as NS
+
+    from psrpc.hooks import StepInfo
+    from psrpc.saver import CheckpointSaver
+
+    cfg = NS(checkpoint=NS(dir="unused", every_steps=10, every_s=1e-9, keep=2),
+             model=NS(name="mlp"), optim=NS(name="sgd"), update=NS(name="async"),
+             cluster=NS(num_workers=8))
+    saver = CheckpointSaver(cfg, NS(all_shards=[], layout=None), start_step=0, margin=16)
+    asked = []
+    monkeypatch.setattr(saver, "save", asked.append)
+    for step in range(1, 40):
+        saver.after_step(StepInfo(step, 1.0, step, 0, 0.0))
+    assert asked == sorted(asked) and {10, 20, 30} <= set(asked)
+    saver._pool.shutdown()
