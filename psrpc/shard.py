@@ -59,7 +59,9 @@ class Reply:
     """What a push (or pull) gets back from one shard."""
 
     version: int  # global steps applied on this shard
-    params: torch.Tensor  # flat, wire dtype, a snapshot (never the master copy itself)
+    params: torch.Tensor  # flat, wire dtype: a snapshot, or the master copy itself when no
+    # update can happen before every receiver has it (see Shard.reply); empty in the replies
+    # pipeline stages send their leader
     accepted: bool  # False: stale, rejected, or training already finished
     finished: bool  # no more updates will be applied: the worker stops
     loss: Optional[float]  # sync: the last round's mean loss; async: mean of the last W applied

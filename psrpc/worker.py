@@ -75,17 +75,16 @@ class ShardClient:
                                  f"{_first_line(e)}") from e
         return replies
 
-    def push_pull_async(self, versions: list[int], grads: list[torch.Tensor], loss: float,
-                        samples: int) -> list:
-        return [comm.invoke(rref, "push_pull", self.worker, v, g, loss, samples,
-                            timeout_s=self.timeout_s)
-                for rref, v, g in zip(self.shards, versions, grads)]
-
     def push_one(self, shard: int, version: int, grad: torch.Tensor, loss: float,
                  samples: int):
         """Push one shard now (while backward goes on); returns the Future of its Reply."""
         return comm.invoke(self.shards[shard], "push_pull", self.worker, version, grad, loss,
                            samples, timeout_s=self.timeout_s)
+
+    def push_pull_async(self, versions: list[int], grads: list[torch.Tensor], loss: float,
+                        samples: int) -> list:
+        return [self.push_one(k, v, g, loss, samples)
+                for k, (v, g) in enumerate(zip(versions, grads))]
 
     def push_pull(self, versions: list[int], grads: list[torch.Tensor], loss: float,
                   samples: int) -> list[Reply]:
