@@ -9,12 +9,6 @@ from __future__ import annotations
 import os
 import sys
 
-# TensorPipe logs every closed pipe at WARNING from C++ when a peer dies or leaves: noise on paths
-# psrpc handles. Read once when torch loads; TORCH_CPP_LOG_LEVEL=WARNING brings them back.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-# Transparent huge pages for torch's CPU allocations: a fresh 45 MB receive buffer costs 6 ms
-# instead of 22 ms of page faults (benchmarks/README.md). Also read when torch loads.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 from pathlib import Path
 
 import hydra
@@ -23,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from psrpc.config import register_configs, resolve_paths, to_config, validate
+from psrpc.config import register_configs, resolve_paths, stages, to_config, validate
 from psrpc.errors import PsrpcError
 from psrpc.pipeline import check_model_parallel
 from psrpc.topology import Topology
@@ -60,8 +54,7 @@ def main(dcfg: DictConfig) -> None:
         validate(cfg)
         check_model_parallel(cfg)
         out_dir = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
-        stages = cfg.parallel.stages if cfg.parallel.name == "model" else 1
-        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages)
+        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg))
         if topo.rank is None:
             from psrpc.launch import launch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
-from urllib.parse import parse_qs, urlparse, urlunparse
+from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ def _rendezvous(url: str, **kwargs):
     query = parse_qs(parsed.query)
     timeout = timedelta(seconds=float(query.pop("timeout_s")[0]))
     attempt = query.pop("attempt")[0]
-    rest = "&".join(f"{k}={v[0]}" for k, v in query.items())
+    rest = urlencode(query, doseq=True)
     for store, rank, world_size in _tcp_rendezvous_handler(
             urlunparse(parsed._replace(scheme="tcp", query=rest)), timeout=timeout):
         # torchrun's agent store outlives a restart of the group: a fresh key space per attempt

@@ -244,7 +244,7 @@ def to_config(cfg: DictConfig) -> Config:
     return OmegaConf.to_object(cfg)
 
 
-_WIRE_DTYPES = ("float32", "bfloat16", "float16")
+WIRE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # update.wire_dtype
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
@@ -267,12 +267,19 @@ def validate(cfg: Config) -> None:
     _check(c.init_timeout_s > 0, "cluster.init_timeout_s", c.init_timeout_s, "must be > 0")
     _check(c.port is None or 0 < c.port < 65536, "cluster.port", c.port,
            "must be a TCP port in 1..65535, or null")
+    if p.name == "model":
+        _check(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
+        _check(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,
+               f"must be a multiple of parallel.stages={p.stages} (W = replicas × stages)")
+        _check(p.microbatches >= 1 and t.batch_size % p.microbatches == 0,
+               "parallel.microbatches", p.microbatches,
+               f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
     _check(u.timeout_s > 0, "update.timeout_s", u.timeout_s, "must be > 0 seconds")
     _check(c.rpc_timeout_s is None or c.rpc_timeout_s > u.timeout_s, "cluster.rpc_timeout_s",
            c.rpc_timeout_s, f"must exceed update.timeout_s={u.timeout_s} (calls wait at the "
            "barrier that long), or be null")
-    _check(u.wire_dtype in _WIRE_DTYPES, "update.wire_dtype", u.wire_dtype,
-           f"must be one of {list(_WIRE_DTYPES)}")
+    _check(u.wire_dtype in WIRE_DTYPE_NAMES, "update.wire_dtype", u.wire_dtype,
+           f"must be one of {list(WIRE_DTYPE_NAMES)}")
     if u.name == "sync":
         r = u.replicas_to_aggregate
         _check(r is None or 1 <= r <= replicas(cfg), "update.replicas_to_aggregate", r,
@@ -303,13 +310,6 @@ def validate(cfg: Config) -> None:
                f"must be a {f.crash_role} index in 0..{n - 1}")
     _check(f.nan_worker is None or 0 <= f.nan_worker < c.num_workers, "fault.nan_worker",
            f.nan_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
-    if p.name == "model":
-        _check(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
-        _check(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,
-               f"must be a multiple of parallel.stages={p.stages} (W = replicas × stages)")
-        _check(p.microbatches >= 1 and t.batch_size % p.microbatches == 0,
-               "parallel.microbatches", p.microbatches,
-               f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
     _validate_data(cfg.data)
 
 
@@ -332,11 +332,14 @@ def _validate_data(d) -> None:
             f"at the folder in torchvision's layout that holds it, or set data.download=true")
 
 
+def stages(cfg: Config) -> int:
+    """Pipeline stages per replica: parallel.stages in model-parallel mode, else 1."""
+    return cfg.parallel.stages if cfg.parallel.name == "model" else 1
+
+
 def replicas(cfg: Config) -> int:
     """Data-parallel replicas: W in data-parallel mode, W / stages in model-parallel mode."""
-    if cfg.parallel.name == "model":
-        return max(1, cfg.cluster.num_workers // max(1, cfg.parallel.stages))
-    return cfg.cluster.num_workers
+    return cfg.cluster.num_workers // stages(cfg)
 
 
 def rpc_timeout_s(cfg: Config) -> float:

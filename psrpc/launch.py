@@ -15,6 +15,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -23,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from psrpc.config import Config
+from psrpc.config import Config, stages
 from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
 
@@ -52,13 +53,13 @@ def check_port(addr: str, port: int, key: str) -> None:
                               f"port, or leave it unset for a free one") from None
 
 
-def choose_port(cfg: Config, env=os.environ) -> int:
+def choose_port(cfg: Config) -> int:
     """cluster.port, else MASTER_PORT, else a free port; a busy one is an error."""
     if cfg.cluster.port is not None:
         check_port("127.0.0.1", cfg.cluster.port, "cluster.port")
         return cfg.cluster.port
-    if env.get("MASTER_PORT"):
-        port = int(env["MASTER_PORT"])
+    if os.environ.get("MASTER_PORT"):
+        port = int(os.environ["MASTER_PORT"])
         check_port("127.0.0.1", port, "MASTER_PORT")
         return port
     return free_port()
@@ -83,20 +84,17 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cl
         run_rank(cfg, topo, Path(out_dir), worker_cls)
     except BaseException as e:  # report once, then exit non-zero
         if isinstance(e, PsrpcError):  # bad input or a lost peer: the message says it all
-            logging.getLogger("psrpc").error("%s", e)
-            Path(error_file).write_text(str(e))
+            logged = line = str(e)
         else:  # a bug: the traceback goes to this rank's log, one line to the launcher
-            logging.getLogger("psrpc").error("%s", traceback.format_exc().rstrip())
-            Path(error_file).write_text(f"{type(e).__name__}: {e} (traceback in its log)")
+            logged = traceback.format_exc().rstrip()
+            line = f"{type(e).__name__}: {e} (traceback in its log)"
+        log.error("%s", logged)
+        Path(error_file).write_text(line)
         os._exit(1)
 
 
 def process_context():
     """The forkserver every psrpc process comes from (benchmarks start their peers from it too)."""
-    # As in __main__ (read when the forkserver imports torch): quiet TensorPipe's C++ warnings,
-    # huge pages for the large receive buffers.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker"])
     return ctx
@@ -112,20 +110,19 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
 
     setup_logging("launcher", None)
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
-    stages = cfg.parallel.stages if cfg.parallel.name == "model" else 1
-    topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg), stages=stages)
+    topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg),
+                    stages=stages(cfg))
     ctx = process_context()
-    errors = Path(tempfile.mkdtemp(prefix="psrpc-"))
+    errors = Path(tempfile.mkdtemp(prefix="psrpc-"))  # each rank's one-line error
     procs = {}
-    for rank in range(topo.world_size):
-        name = topo.name_of(rank)
-        procs[name] = ctx.Process(target=_child, name=name, daemon=False, args=(
-            cfg, topo.with_rank(rank), str(out_dir), str(errors / f"{name}.err"), worker_cls))
     lost: list[str] = []
     stop = _Signals()
     try:
-        for p in procs.values():
-            p.start()
+        for rank in range(topo.world_size):
+            name = topo.name_of(rank)
+            procs[name] = ctx.Process(target=_child, name=name, daemon=False, args=(
+                cfg, topo.with_rank(rank), str(out_dir), str(errors / f"{name}.err"), worker_cls))
+            procs[name].start()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         running = dict(procs)
         while running:
@@ -152,9 +149,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     finally:
         stop.restore()
         _terminate(procs.values(), SIGNAL_GRACE_S if stop.received else FAILURE_GRACE_S)
-        for f in errors.glob("*"):
-            f.unlink()
-        errors.rmdir()
+        shutil.rmtree(errors, ignore_errors=True)
 
 
 def _describe(exitcode: int) -> str:
@@ -174,9 +169,8 @@ def _root_cause(failed: list[str], procs: dict, errors: Path, lost: list[str]) -
 
 
 def _failure(name: str, exitcode: int, error_file: Path) -> str:
-    if error_file.exists() and error_file.read_text().strip():
-        return f"{name} failed: {error_file.read_text().strip()}"
-    return f"{name} died ({_describe(exitcode)})"
+    text = error_file.read_text().strip() if error_file.exists() else ""
+    return f"{name} failed: {text}" if text else f"{name} died ({_describe(exitcode)})"
 
 
 def _terminate(procs, grace_s: float) -> None:

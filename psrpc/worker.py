@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from psrpc import comm
-from psrpc.config import Config, replicas
+from psrpc.config import Config
 from psrpc.data import GlobalBatches, load_dataset
 from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
@@ -115,7 +115,7 @@ class Replica:
         self.device = pick_device(cfg.train.device, topo.local_rank)
         self.data = dataset or load_dataset(cfg.data, cfg.train.seed)
         self.batch = cfg.train.batch_size
-        self.batches = GlobalBatches(len(self.data.train), replicas(cfg) * self.batch,
+        self.batches = GlobalBatches(len(self.data.train), topo.replicas * self.batch,
                                      cfg.train.seed)
         self.faults = build_faults(cfg.fault, "worker", topo.index, topo.restart_count)
         self.stats = WorkerStats()
