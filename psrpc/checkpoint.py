@@ -138,12 +138,12 @@ def find_latest(root: Optional[str]) -> Optional[Restored]:
     return None
 
 
-def reshard(restored: Restored, new: Layout,
-            fresh_optimizer_state: dict) -> tuple[list[torch.Tensor], list[dict]]:
+def reshard(restored: Restored, new: Layout) -> tuple[list[torch.Tensor], list[dict]]:
     """Re-split a checkpoint made with one layout (any number of PS) into layout `new`.
 
-    Returns the flat params per new shard and each one's optimizer state (torch's state_dict
-    form; hyperparameters come from the current config)."""
+    Returns the flat params per new shard and each one's optimizer state for its one tensor
+    (`optimizer.state[param]`'s form, {} before the first step; hyperparameters are not in it:
+    they come from the current config)."""
     old = restored.layout
     if dict(old.shapes) != dict(new.shapes):
         diff = sorted(set(old.shapes) ^ set(new.shapes)) or [
@@ -161,6 +161,4 @@ def reshard(restored: Restored, new: Layout,
         else:  # scalars (Adam's step): the same on every shard
             for k in range(new.num_shards):
                 per_shard[k][key] = value.clone() if torch.is_tensor(value) else value
-    states = [{"state": {0: st} if st else {}, "param_groups": fresh_optimizer_state["param_groups"]}
-              for st in per_shard]
-    return params, states
+    return params, per_shard

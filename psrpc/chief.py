@@ -25,7 +25,6 @@ from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
 from psrpc.hooks import Hooks, RunContext, StepInfo, Throughput, default_hooks
 from psrpc.layout import Layout
-from psrpc.optim import build_optimizer
 from psrpc.pipeline import cut_points, stage_shapes
 from psrpc.saver import build_saver
 from psrpc.shard import Reply, Shard, ShardSpec
@@ -84,7 +83,7 @@ class Chief:
             layout = Layout.concat(layouts)
             restored = checkpoint.find_latest(cfg.checkpoint.dir)
             flats, states = self._initial_state(model, layout, restored)
-            shards = self._create_shards(layouts, flats, states, restored)
+            shards = self._create_shards(layouts, layout, flats, states, restored)
             self.plan = Plan(layouts, shards, cuts, restored.step if restored else None)
         except Exception as e:
             _PLAN.set_exception(PsrpcError(f"the chief failed to initialise: {e}"))
@@ -115,29 +114,26 @@ class Chief:
             named = {n: p.detach() for n, p in model.named_parameters()}
             return layout.split(named), [None] * layout.num_shards
         self._check_restorable(restored)
-        fresh = build_optimizer([torch.zeros(1)], self.cfg.optim).state_dict()
-        flats, states = checkpoint.reshard(restored, layout, fresh)
+        flats, states = checkpoint.reshard(restored, layout)
         log.info("restored step %d from %s (%d shard(s) -> %d)", restored.step,
                  checkpoint.step_dir(self.cfg.checkpoint.dir, restored.step),
                  restored.layout.num_shards, layout.num_shards)
         return flats, states
 
-    def _create_shards(self, layouts, flats, states, restored) -> list[list]:
+    def _create_shards(self, layouts, layout, flats, states, restored) -> list[list]:
         """One Shard per (stage, bucket) on its PS, via rpc.remote; RRefs grouped by stage."""
         cfg, topo = self.cfg, self.topo
         version = restored.step if restored else 0
         stats = _stats_for(restored)
         stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
-        shard_ps = Layout.concat(layouts).shard_ps
         shards = []
-        for g, k in enumerate(shard_ps):  # shard g lives on ps{k}
+        for g, k in enumerate(layout.shard_ps):  # shard g lives on ps{k}
             name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
             spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
                              version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
                              build_faults(cfg.fault, "ps", k, topo.restart_count), stats, name)
             shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
-        for rref in shards:  # surface a constructor's error here
-            comm.invoke(rref, "report").wait()
+        comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
         return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
     def _check_restorable(self, restored: checkpoint.Restored) -> None:
@@ -156,14 +152,14 @@ class Chief:
         self.throughput.after_step(info)
         self.hooks.after_step(info)
         if (info.stop or _STOP_REQUESTED.is_set()) and not reply.finished:
-            self.stop_early(info.step)
+            self.stop_early()
             return True
         return False
 
-    def stop_early(self, step: int) -> None:
+    def stop_early(self) -> None:
         """Freeze every shard where it is; workers get 'finished' at their next push."""
         self.stopped_early = True
-        versions = [f.wait() for f in [comm.invoke(r, "freeze") for r in self.plan.all_shards]]
+        versions = comm.wait_all([comm.invoke(r, "freeze") for r in self.plan.all_shards])
         log.warning("stopping at step %d (asked to stop)%s", versions[0],
                     "" if len(set(versions)) == 1 else f"; shards stopped at {versions}")
 
@@ -203,7 +199,8 @@ class Chief:
     def gather(self, worker: Worker) -> dict:
         """The full model's state_dict: parameters from the shards, buffers (BatchNorm
         statistics) from the chief's replica (its stages, in model parallel); CPU tensors."""
-        flats = [f.wait()[1] for f in [comm.invoke(r, "pull_full") for r in self.plan.all_shards]]
+        flats = [f[1] for f in comm.wait_all([comm.invoke(r, "pull_full")
+                                             for r in self.plan.all_shards])]
         state = self.plan.layout.join(flats)
         state.update(worker.buffers())
         return state
@@ -251,7 +248,7 @@ class Chief:
         if self._eval_model is None:
             self._eval_model = copy.deepcopy(worker.model)
         model = self._eval_model
-        model.load_state_dict({k: v.to(worker.device) for k, v in state.items()})
+        model.load_state_dict(state)  # copies onto the model's device
         model.eval()
         correct, bs = 0, self.cfg.train.eval_batch_size
         with torch.no_grad():

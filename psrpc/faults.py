@@ -31,7 +31,7 @@ class NoFaults:
     def corrupt(self, step: int, grads: list[torch.Tensor]) -> None:
         pass
 
-    def after_update(self, role: str, index: int, step: int) -> None:
+    def after_update(self, step: int) -> None:
         pass
 
 
@@ -62,7 +62,7 @@ class Faults(NoFaults):
             for g in grads:
                 g.fill_(float("nan"))
 
-    def after_update(self, role: str, index: int, step: int) -> None:
+    def after_update(self, step: int) -> None:
         self._crash_if_due(step)
 
 

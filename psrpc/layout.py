@@ -76,7 +76,8 @@ class Layout:
         # Next-largest first onto the emptiest PS; ties keep model order: deterministic.
         load = [0] * num_ps
         ps_of_group = {}
-        for gi in sorted(range(len(groups)), key=lambda i: (-sum(c[0] for c in groups[i]), i)):
+        placement = sorted(range(len(groups)), key=lambda i: (-sum(c[0] for c in groups[i]), i))
+        for gi in placement:
             k = min(range(num_ps), key=lambda i: (load[i], i))
             load[k] += sum(c[0] for c in groups[gi])
             ps_of_group[gi] = k
@@ -84,8 +85,8 @@ class Layout:
             shard_groups = [[gi] for gi in range(len(groups))]
             shard_ps = [ps_of_group[gi] for gi in range(len(groups))]
         else:  # shard = PS, holding its tensors in placement order
-            order = sorted(range(len(groups)), key=lambda i: (-groups[i][0][0], i))
-            shard_groups = [[gi for gi in order if ps_of_group[gi] == k] for k in range(num_ps)]
+            shard_groups = [[gi for gi in placement if ps_of_group[gi] == k]
+                            for k in range(num_ps)]
             shard_ps = list(range(num_ps))
         pieces, numels = [], []
         for shard, members in enumerate(shard_groups):

@@ -26,13 +26,14 @@ from typing import Any, Optional
 import torch
 
 from psrpc import checkpoint, comm
+from psrpc.config import WIRE_DTYPE_NAMES
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
 from psrpc.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WIRE_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
 
 
 @dataclass
@@ -46,7 +47,7 @@ class ShardSpec:
     num_workers: int
     max_steps: int
     version: int = 0
-    optim_state: Optional[dict] = None  # restored optimizer state (torch's state_dict form)
+    optim_state: Optional[dict] = None  # restored optimizer.state of the flat tensor (reshard)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     faults: Any = field(default_factory=NoFaults)
@@ -101,8 +102,10 @@ class Shard:
         self.name = spec.name or f"ps{spec.index}"
         self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
         self.optimizer = build_optimizer([self.params], spec.optim)
-        if spec.optim_state is not None:
-            self.optimizer.load_state_dict(spec.optim_state)
+        if spec.optim_state is not None:  # through load_state_dict: it casts and places it
+            restored = self.optimizer.state_dict()
+            restored["state"] = {0: spec.optim_state} if spec.optim_state else {}
+            self.optimizer.load_state_dict(restored)
         self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.wire_dtype = WIRE_DTYPES[spec.update.wire_dtype]
         self.num_workers = spec.num_workers
@@ -216,7 +219,7 @@ class Shard:
             for g, lr in zip(self.optimizer.param_groups, self.base_lr):
                 g["lr"] = lr
         self.version += 1
-        self.faults.after_update("ps", self.index, self.version)
+        self.faults.after_update(self.version)
         if self.checkpoint_dir and (self.version in self._save_at or (
                 self.checkpoint_every and self.version % self.checkpoint_every == 0)):
             self._start_save(self.version)

@@ -15,19 +15,20 @@ class LiveSet:
     (rounds and staleness bounds stop waiting for it); it is back as soon as it pushes again."""
 
     def __init__(self, num_workers: int):
-        self.alive = set(range(num_workers))
+        self.num_workers = num_workers
         self.lost: set[int] = set()
+
+    @property
+    def alive(self) -> set[int]:
+        return set(range(self.num_workers)) - self.lost
 
     def seen(self, worker: int) -> None:
         if worker in self.lost:
             log.warning("worker%d is back after being counted lost", worker)
             self.lost.discard(worker)
-        self.alive.add(worker)
 
     def lose(self, workers) -> None:
-        for w in workers:
-            self.alive.discard(w)
-            self.lost.add(w)
+        self.lost.update(workers)
 
 
 class Watchdog:
