@@ -18,7 +18,6 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_CONF = ROOT / "benchmarks" / "conf"
-MNIST_ROOT = ROOT.parent / "shared" / "data"
 
 
 def bench_config(name: str, argv: list[str]):
@@ -47,16 +46,14 @@ def psrpc_config(overrides: list[str]):
 
 def run_psrpc(overrides: list[str], worker_cls=None, timeout_s: float = 1800,
               extra_files=()) -> dict:
-    """One psrpc run through the real launcher; returns its summary.json (plus `metrics` and
-    any `extra_files`, JSON files a hook wrote into the run's out_dir)."""
+    """One psrpc run through the real launcher; returns its summary.json (plus any
+    `extra_files`, JSON files a hook wrote into the run's out_dir)."""
     from psrpc.launch import launch
 
     cfg = psrpc_config(overrides)
     with tempfile.TemporaryDirectory(prefix="psrpc-bench-") as out:
         launch(cfg, Path(out), timeout_s=timeout_s, worker_cls=worker_cls)
         summary = json.loads((Path(out) / "summary.json").read_text())
-        summary["metrics"] = [json.loads(x) for x in
-                              (Path(out) / "metrics.jsonl").read_text().splitlines()]
         for name in extra_files:
             summary[name] = json.loads((Path(out) / name).read_text())
     return summary
@@ -120,6 +117,7 @@ def write_results(out_dir: Path, meta: dict, rows: list[dict], columns: list[str
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    table = lines[-len(rows) - 2:]
     if plot is not None:
         import matplotlib
 
@@ -131,7 +129,7 @@ def write_results(out_dir: Path, meta: dict, rows: list[dict], columns: list[str
         plt.close(fig)
         lines += ["", "![plot](plot.png)"]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[len(lines) - len(rows) - 2:]), flush=True)
+    print("\n".join(table), flush=True)
     print(f"# results in {out_dir}", flush=True)
 
 

@@ -3,7 +3,7 @@ single-process training and PyTorch DDP over gloo.
 
 Both reuse psrpc's own data order (DESIGN §4), model registry and optimizer builder, so the only
 difference from a psrpc run is how gradients are combined. Each returns steady-state samples/s;
-DDP can also stop at a target test accuracy (time to accuracy, evaluation time excluded).
+DDP can also stop at a target test accuracy (time to accuracy, evaluation time included).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def accuracy(model, split, batch: int = 1000) -> float:
     return correct / len(split)
 
 
-def single_process(cfg: Config, threads: Optional[int] = None) -> dict:
+def single_process(cfg: Config) -> dict:
     """One process, batch train.batch_size, all the threads."""
-    torch.set_num_threads(threads or os.cpu_count())
+    torch.set_num_threads(os.cpu_count())
     torch.manual_seed(cfg.train.seed)
     data = load_dataset(cfg.data, cfg.train.seed)
     model = build_model(cfg.model.name, data.image_shape, data.num_classes)

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
             row = {"size_mb": size, "wire": wire,
                    "push_pull_ms": round(pp_s * 1e3, 2), "raw_rpc_ms": round(raw_s * 1e3, 2),
                    "copy_ms": round(cp_s * 1e3, 2),
-                   "push_pull_gbps": round(2 * nbytes / pp_s / 1e9, 3),
+                   "push_pull_gbps": round(2 * wire_bytes / pp_s / 1e9, 3),
                    "raw_rpc_gbps": round(2 * wire_bytes / raw_s / 1e9, 3),
                    "copy_gbps": round(2 * nbytes / cp_s / 1e9, 3)}
             row["push_pull_vs_raw"] = round(row["push_pull_gbps"] / row["raw_rpc_gbps"], 3)

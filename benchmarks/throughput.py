@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 
 from benchmarks.common import ROOT, bench_config, header, psrpc_config, run_psrpc, write_results
 from benchmarks.peers import ddp, single_process
