@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-
 from pathlib import Path
+
+import psrpc
+
+psrpc.apply_env_defaults()  # before torch loads: this process is psrpc's own
+
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -57,6 +61,9 @@ def main(dcfg: DictConfig) -> None:
         topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg))
         if topo.rank is None:
             from psrpc.launch import launch
+            from psrpc.process import setup_logging
+
+            setup_logging("launcher", None)
 
             lost = launch(cfg, out_dir)
             print(f"psrpc: outputs in {out_dir}" + (f" ({', '.join(lost)} lost)" if lost else ""),

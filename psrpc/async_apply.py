@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from psrpc import comm
-from psrpc.updates import LiveSet, Watchdog
+from psrpc.liveness import LiveSet, Watchdog
 
 log = logging.getLogger(__name__)
 CLOCK_SHARD = 0

@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from psrpc import env_defaults
 from psrpc.config import Config, stages
 from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
@@ -95,8 +96,12 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cl
 
 def process_context():
     """The forkserver every psrpc process comes from (benchmarks start their peers from it too)."""
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker"])
+    with env_defaults():  # the server and every rank forked from it; not this process
+        forkserver.ensure_running()
     return ctx
 
 
@@ -106,9 +111,6 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
 
     `worker_cls` replaces `psrpc.worker.Worker` on every worker (a module-level class: it is
     pickled by reference), e.g. to push known gradients in a test."""
-    from psrpc.process import setup_logging
-
-    setup_logging("launcher", None)
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg),
                     stages=stages(cfg))

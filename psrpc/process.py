@@ -1,7 +1,7 @@
 """One rank's life: setup (logging, threads, seed, RPC), its role, and the mirror-image shutdown.
 
 Training loops receive built objects and never call init_rpc. The chief ends the run: it tells
-every other process to stop (`request_stop`), then all leave the RPC group together (graceful
+every other process to stop (`stop_serving`), then all leave the RPC group together (graceful
 when nobody was lost; torch's graceful shutdown waits for every peer with no way out).
 """
 
@@ -31,8 +31,8 @@ PING_EVERY_S = 5.0
 TERMINATE_WAIT_S = 8.0  # after SIGTERM, how long a PS or worker waits for the chief's stop
 
 
-def request_stop(graceful: bool) -> None:
-    """Called by the chief over RPC when the run is over."""
+def stop_serving(graceful: bool) -> None:
+    """Called by the chief over RPC when the run is over: this rank leaves the group."""
     _GRACEFUL[0] = graceful
     _STOP.set()
 
@@ -84,7 +84,7 @@ def _on_terminate(signum, frame) -> None:
     _TERMINATING.append(time.monotonic())
     from psrpc import chief
 
-    chief.request_stop()
+    chief.stop_at_next_step()
 
 
 def install_signal_handlers() -> None:
@@ -136,7 +136,7 @@ def _run_chief(cfg: Config, topo: Topology, out_dir: Path, worker_cls) -> bool:
     graceful = not chief.lost
     lost = {f"worker{w}" for w in chief.lost}
     peers = [n for n in topo.ps_names + topo.worker_names[1:] if n not in lost]
-    for name, fut in [(n, comm.call(n, request_stop, (graceful,), timeout_s=10)) for n in peers]:
+    for name, fut in [(n, comm.call(n, stop_serving, (graceful,), timeout_s=10)) for n in peers]:
         try:
             fut.wait()
         except Exception as e:  # it is leaving anyway; shutdown below does not wait for it

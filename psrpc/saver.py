@@ -61,9 +61,9 @@ class CheckpointSaver(Hook):
         log.info("checkpoint step %d saved in %s", step, checkpoint.step_dir(self.root, step))
         return True
 
-    def end(self, summary: dict) -> None:
-        """A final checkpoint at the last step, then wait for every manifest."""
-        self.save(summary["steps"])
+    def final(self, step: int) -> None:
+        """The last checkpoint, at the step training ended on; waits for every manifest."""
+        self.save(step)
         for fut in list(self._asked.values()):
             fut.result()
         self._pool.shutdown(wait=True)

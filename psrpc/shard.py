@@ -6,10 +6,8 @@ push, then hands it to the update rule (`sync.SyncAggregator` or `async_apply.As
 Every change to the master copy happens under `self.lock`: in-place tensor ops release the GIL,
 so unlocked accumulation loses updates (DESIGN §8).
 
-Checkpoints are step-consistent by construction: a shard snapshots itself under the lock right
-after the update that brings it to a checkpoint step (every `checkpoint.every_steps`, or a step
-the chief asked for), so every shard saves exactly the same global step with no pause of the
-others; the file is written by a background thread.
+Checkpoints are step-consistent by construction (`snapshots.ShardSnapshots`): a shard snapshots
+itself under the lock right after the update that brings it to a checkpoint step.
 """
 
 from __future__ import annotations
@@ -19,17 +17,18 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from psrpc import checkpoint, comm
+from psrpc import comm
 from psrpc.config import WIRE_DTYPE_NAMES
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
 from psrpc.optim import build_optimizer
+from psrpc.snapshots import ShardSnapshots
+from psrpc.updates import build_updater
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +95,6 @@ class ShardStats:
 
 class Shard:
     def __init__(self, spec: ShardSpec):
-        from psrpc.updates import build_updater  # sync/async registry
-
         self.index = spec.index  # global shard number (stage · P + k); 0 is the clock shard
         self.name = spec.name or f"ps{spec.index}"
         self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
@@ -115,11 +112,8 @@ class Shard:
         self.lock = threading.Lock()
         self.stats = ShardStats(**spec.stats) if spec.stats else ShardStats()
         self.losses: deque = deque(maxlen=spec.num_workers)  # the last W applied losses
-        self.checkpoint_dir, self.checkpoint_every = spec.checkpoint_dir, spec.checkpoint_every
-        self._save_at: set[int] = set()  # steps the chief asked to have saved
-        self._saves: dict[int, torch.futures.Future] = {}  # step -> file info (None: missed)
-        self._started: set[int] = set()  # steps whose snapshot was taken
-        self._writer: Optional[ThreadPoolExecutor] = None
+        self.snapshots = ShardSnapshots(self.name, spec.checkpoint_dir, spec.checkpoint_every,
+                                        self._snapshot)
         self.updater = build_updater(self, spec.update, spec.num_workers)  # needs all above
 
     # -- the verbs (called through the RRef) -----------------------------------------------------
@@ -162,22 +156,14 @@ class Shard:
     def request_save(self, step: int):
         """Future of the file info once step `step` is saved (None if this shard never saves it)."""
         with self.lock:
-            if not self.checkpoint_dir:
-                return comm.completed(None)
-            if step == self.version:
-                self._start_save(step)
-            elif self.version < step <= self.max_steps:
-                self._save_at.add(step)
-            elif step not in self._saves:  # already past it unsaved, or beyond the last step
-                return comm.completed(None)
-            return self._saves.setdefault(step, torch.futures.Future())
+            return self.snapshots.request(step, self.version, self.max_steps)
 
     def freeze(self) -> int:
         """Stop applying updates (the chief ends training early); returns the final version."""
         with self.lock:
             self.max_steps = min(self.max_steps, self.version)
             ready = self.updater.release()
-            self._resolve_unreachable_saves()
+            self.snapshots.unreachable(self.max_steps)
         for fut, reply in ready:
             fut.set_result(reply)
         return self.version
@@ -198,8 +184,7 @@ class Shard:
 
     def close(self) -> None:
         self.updater.close()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
+        self.snapshots.close()
 
     # -- used by the update rules, under self.lock ------------------------------------------------
     @property
@@ -220,11 +205,9 @@ class Shard:
                 g["lr"] = lr
         self.version += 1
         self.faults.after_update(self.version)
-        if self.checkpoint_dir and (self.version in self._save_at or (
-                self.checkpoint_every and self.version % self.checkpoint_every == 0)):
-            self._start_save(self.version)
+        self.snapshots.after_update(self.version)
         if self.finished:
-            self._resolve_unreachable_saves()
+            self.snapshots.unreachable(self.max_steps)
 
     def record_loss(self, loss: float) -> None:
         self.losses.append(loss)
@@ -246,36 +229,11 @@ class Shard:
                      self.recent_loss if loss is None else loss, self.stats.samples,
                      self.stats.stale_dropped)
 
-    # -- checkpoints (under self.lock) ------------------------------------------------------------
-    def _start_save(self, step: int) -> None:
-        if not self.checkpoint_dir or step in self._started:
-            return
-        self._started.add(step)
-        self._save_at.discard(step)
-        fut = self._saves.setdefault(step, torch.futures.Future())
-        state = {"shard": self.index, "version": step, "params": self.params.detach().clone(),
-                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                 "stats": asdict(self.stats)}
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"ps{self.index}-ckpt")
-        self._writer.submit(self._write, state, fut)
-
-    def _write(self, state: dict, fut: torch.futures.Future) -> None:
-        try:
-            info = checkpoint.save_shard(self.checkpoint_dir, state)
-        except Exception as e:  # a failed save must not stop training; the chief skips it
-            log.error("%s: could not save step %d: %s", self.name, state["version"], e)
-            info = None
-        if not fut.done():
-            fut.set_result(info)
-
-    def _resolve_unreachable_saves(self) -> None:
-        """Steps past the last one will never be saved: answer whoever waits for them."""
-        for step in [t for t in self._save_at if t > self.max_steps]:
-            self._save_at.discard(step)
-            fut = self._saves.get(step)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+    def _snapshot(self, step: int) -> dict:
+        """What a checkpoint of this shard holds (copies: taken under the lock)."""
+        return {"shard": self.index, "version": step, "params": self.params.detach().clone(),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "stats": asdict(self.stats)}
 
     def _check(self, worker: int, version: int, grad) -> None:
         name = self.name

@@ -22,7 +22,7 @@ import torch
 
 from psrpc import comm
 from psrpc.errors import PushRejected
-from psrpc.updates import LiveSet, Watchdog
+from psrpc.liveness import LiveSet, Watchdog
 
 log = logging.getLogger(__name__)
 

@@ -1,63 +1,16 @@
-"""Update rules a shard can run (`update=sync|async`), and what they share: who is alive, and
-a watchdog thread that gives every wait a timeout."""
+"""The update rules a shard can run (`update=sync|async`): a registry, not an if."""
 
 from __future__ import annotations
 
-import logging
-import threading
-from typing import Callable
+from psrpc.async_apply import AsyncApplier
+from psrpc.sync import SyncAggregator
 
-log = logging.getLogger(__name__)
-
-
-class LiveSet:
-    """Workers the update rule still waits for. A worker that misses a deadline is marked lost
-    (rounds and staleness bounds stop waiting for it); it is back as soon as it pushes again."""
-
-    def __init__(self, num_workers: int):
-        self.num_workers = num_workers
-        self.lost: set[int] = set()
-
-    @property
-    def alive(self) -> set[int]:
-        return set(range(self.num_workers)) - self.lost
-
-    def seen(self, worker: int) -> None:
-        if worker in self.lost:
-            log.warning("worker%d is back after being counted lost", worker)
-            self.lost.discard(worker)
-
-    def lose(self, workers) -> None:
-        self.lost.update(workers)
-
-
-class Watchdog:
-    """Calls `check()` every `period_s` on a daemon thread until closed."""
-
-    def __init__(self, check: Callable[[], None], period_s: float, name: str):
-        self._check, self._period = check, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            try:
-                self._check()
-            except Exception:  # a watchdog must never die silently
-                log.exception("watchdog check failed")
-
-    def close(self) -> None:
-        self._stop.set()
+RULES = {"sync": SyncAggregator, "async": AsyncApplier}
 
 
 def build_updater(shard, update_cfg, num_workers: int):
-    from psrpc.async_apply import AsyncApplier
-    from psrpc.sync import SyncAggregator
-
-    rules = {"sync": SyncAggregator, "async": AsyncApplier}
     try:
-        rule = rules[update_cfg.name]
+        rule = RULES[update_cfg.name]
     except KeyError:
-        raise ValueError(f"update={update_cfg.name!r}: must be one of {sorted(rules)}") from None
+        raise ValueError(f"update={update_cfg.name!r}: must be one of {sorted(RULES)}") from None
     return rule(shard, update_cfg, num_workers)

@@ -1,0 +1,100 @@
+"""The chief's start-up: the model's first state (fresh and seeded, or the newest checkpoint
+re-split for this layout), and the shards created on the PS with it.
+
+`bootstrap` returns the Plan every worker receives: the layouts, the shards' RRefs, the pipeline
+cuts and the step training resumes from.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from psrpc import checkpoint, comm
+from psrpc.config import Config
+from psrpc.data import load_dataset
+from psrpc.errors import PsrpcError
+from psrpc.faults import build_faults
+from psrpc.layout import Layout
+from psrpc.pipeline import cut_points, stage_shapes
+from psrpc.shard import Shard, ShardSpec
+from psrpc.topology import Topology
+from psrpc.worker import Plan
+
+log = logging.getLogger("psrpc")
+
+
+def bootstrap(cfg: Config, topo: Topology, worker_cls):
+    """Build the model (seeded) or restore the newest checkpoint, create the shards on the PS
+    (per pipeline stage in model-parallel mode). Returns (plan, model, dataset)."""
+    torch.manual_seed(cfg.train.seed)
+    dataset = load_dataset(cfg.data, cfg.train.seed)
+    model = worker_cls.build_model(cfg, dataset)
+    cuts, layouts = plan_layouts(cfg, topo, model)
+    layout = Layout.concat(layouts)
+    restored = checkpoint.find_latest(cfg.checkpoint.dir)
+    flats, states = initial_state(cfg, model, layout, restored)
+    shards = create_shards(cfg, topo, layouts, flats, states, restored)
+    plan = Plan(layouts, shards, cuts, restored.step if restored else None)
+    log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
+             sum(layout.shard_numel), layout.num_shards,
+             "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
+             f" ({topo.replicas} replicas × {len(cuts)} stages, cuts {cuts})"
+             if len(cuts) > 1 else "", cfg.update.name)
+    return plan, model, dataset
+
+
+def plan_layouts(cfg: Config, topo: Topology, model) -> tuple[list[int], list[Layout]]:
+    """Where every parameter goes: one layout per pipeline stage (data parallel: one)."""
+    if cfg.parallel.name == "data":
+        cuts, shapes = [0], [{n: tuple(p.shape) for n, p in model.named_parameters()}]
+    else:
+        cuts = cut_points(model, cfg.parallel.stages, cfg.parallel.split)
+        shapes = stage_shapes(model, cuts)
+    return cuts, [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes,
+                              cfg.cluster.bucket_bytes) for sh in shapes]
+
+
+def initial_state(cfg: Config, model, layout: Layout,
+                  restored: Optional[checkpoint.Restored]):
+    """Flat parameters and optimizer state per shard: the fresh model's, or the checkpoint's
+    re-split for this layout."""
+    if restored is None:
+        named = {n: p.detach() for n, p in model.named_parameters()}
+        return layout.split(named), [None] * layout.num_shards
+    saved_optim = restored.manifest.get("optim")
+    if saved_optim != cfg.optim.name:
+        raise PsrpcError(
+            f"checkpoint.dir={cfg.checkpoint.dir}: step-{restored.step} was saved with "
+            f"optim={saved_optim}, this run uses optim={cfg.optim.name}; use another "
+            "checkpoint.dir or the same optimizer")
+    flats, states = checkpoint.reshard(restored, layout)
+    log.info("restored step %d from %s (%d shard(s) -> %d)", restored.step,
+             checkpoint.step_dir(cfg.checkpoint.dir, restored.step),
+             restored.layout.num_shards, layout.num_shards)
+    return flats, states
+
+
+def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, states,
+                  restored: Optional[checkpoint.Restored]) -> list[list]:
+    """One Shard per (stage, bucket) on its PS, via rpc.remote; RRefs grouped by stage."""
+    layout = Layout.concat(layouts)
+    version = restored.step if restored else 0
+    stats = _stats_for(restored)
+    stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
+    shards = []
+    for g, k in enumerate(layout.shard_ps):  # shard g lives on ps{k}
+        name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
+        spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
+                         version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
+                         build_faults(cfg.fault, "ps", k, topo.restart_count), stats, name)
+        shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
+    comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
+    return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
+
+
+def _stats_for(restored: Optional[checkpoint.Restored]) -> Optional[dict]:
+    """Counters carried over a restore: shard 0's (every shard sees every push)."""
+    return dict(restored.shards[0]["stats"]) if restored and "stats" in restored.shards[0] else None

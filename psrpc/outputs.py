@@ -1,0 +1,94 @@
+"""The run's outputs, written by the chief: `model.pt` (the full state_dict gathered from the
+shards, plus the buffers of the chief's replica), the final evaluation, and `summary.json`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from psrpc import comm
+
+log = logging.getLogger("psrpc")
+
+
+def gather(plan, worker) -> dict:
+    """The full model's state_dict: parameters from the shards, buffers (BatchNorm statistics)
+    from the chief's replica (its stages, in model parallel); CPU tensors."""
+    flats = [f[1] for f in comm.wait_all([comm.invoke(r, "pull_full") for r in plan.all_shards])]
+    state = plan.layout.join(flats)
+    state.update(worker.buffers())
+    return state
+
+
+class Evaluator:
+    """Test accuracy of a state_dict, on a copy of the chief's model (its training replica is
+    left alone)."""
+
+    def __init__(self, worker, batch_size: int):
+        self.worker, self.batch_size = worker, batch_size
+        self._model = None
+
+    def __call__(self, state: dict) -> Optional[float]:
+        worker = self.worker
+        test = worker.data.test
+        if test is None:
+            return None
+        if self._model is None:
+            self._model = copy.deepcopy(worker.model)
+        model = self._model
+        model.load_state_dict(state)  # copies onto the model's device
+        model.eval()
+        correct, bs = 0, self.batch_size
+        with torch.no_grad():
+            for i in range(0, len(test), bs):
+                x, y = test.x[i:i + bs].to(worker.device), test.y[i:i + bs].to(worker.device)
+                correct += int((model(x).argmax(1) == y).sum())
+        return correct / len(test)
+
+
+def write_outputs(out_dir: Path, state: dict, summary: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out_dir / "model.pt")
+    with open(out_dir / "summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s: float,
+                 samples_per_s, accuracy, lost: list[int], stopped_early: bool,
+                 workers: dict) -> dict:
+    r0 = reports[0]
+    return {
+        "update": cfg.update.name, "parallel": cfg.parallel.name,
+        "num_ps": topo.num_ps, "num_workers": topo.num_workers,
+        "steps": r0["version"], "samples": r0["samples"],
+        "wall_s": round(wall_s, 3), "total_s": round(total_s, 3),
+        "samples_per_s": _round(samples_per_s),
+        "final_loss": _round(r0["loss"], 6),
+        "test_accuracy": _round(accuracy, 6),
+        "stale_dropped": r0["stale_dropped"],
+        "nan_rejected": sum(r["nan_rejected"] for r in reports),
+        "max_staleness": max(r["max_staleness"] for r in reports),
+        "mean_staleness": _round(r0["mean_staleness"], 4),
+        "workers_lost": len(lost),
+        "restored_from_step": plan.restored_from_step,
+        "stopped_early": stopped_early,
+        "shards": reports,
+        "workers": workers,
+    }
+
+
+def log_done(summary: dict, out_dir: Path) -> None:
+    acc = summary["test_accuracy"]
+    log.info("done: %d steps, %d samples in %.1f s (%s samples/s), loss %s, test accuracy %s; "
+             "outputs in %s", summary["steps"], summary["samples"], summary["wall_s"],
+             summary["samples_per_s"], summary["final_loss"],
+             f"{acc:.4f}" if acc is not None else "n/a", out_dir)
+
+
+def _round(x, nd: int = 2):
+    return None if x is None else round(float(x), nd)
