@@ -78,22 +78,36 @@ class Chief:
 
     # -- train ---------------------------------------------------------------------------------
     def after_step(self, reply: Reply, push_s: float, local_loss: float) -> bool:
-        """The worker loop's callback; returns True to end training."""
+        """The worker loop's callback; returns True to end training at once."""
         info = StepInfo(reply.version, reply.loss, reply.samples, reply.stale_dropped,
                         push_s * 1e3, local_loss=local_loss)
         self.throughput.after_step(info)
         self.hooks.after_step(info)
-        if (info.stop or _STOP_REQUESTED.is_set()) and not reply.finished:
-            self.stop_early()
-            return True
+        if (info.stop or _STOP_REQUESTED.is_set()) and not (reply.finished or self.stopped_early):
+            return self.stop_early(reply.version)
         return False
 
-    def stop_early(self) -> None:
-        """Freeze every shard where it is; workers get 'finished' at their next push."""
+    def stop_early(self, step: int) -> bool:
+        """End training at one step on every shard. Each shard applies updates up to a target
+        and no further; the workers (the chief too) go on until their replies say finished.
+        When the chief is in every round (sync, no backup or lost worker), no shard can move
+        without its next push: the target is where they are, and the chief stops at once.
+        Otherwise shards may be a few steps apart or moving: the target leaves room for that.
+        Returns True when the chief's loop should end now."""
         self.stopped_early = True
-        versions = comm.wait_all([comm.invoke(r, "freeze") for r in self.plan.all_shards])
-        log.warning("stopping at step %d (asked to stop)%s", versions[0],
-                    "" if len(set(versions)) == 1 else f"; shards stopped at {versions}")
+        shards = self.plan.all_shards
+        reports = comm.wait_all([comm.invoke(r, "report") for r in shards])
+        exact = (self.cfg.update.name == "sync" and not any(r["workers_lost"] for r in reports)
+                 and (self.cfg.update.replicas_to_aggregate or self.topo.replicas)
+                 == self.topo.replicas)
+        margin = 0 if exact else 2 * self.topo.replicas
+        target = max(r["version"] for r in reports) + margin
+        # the clock shard first: with bounded staleness its issued tickets set the step
+        target = comm.invoke(shards[0], "freeze", target).wait()
+        ends = [target] + comm.wait_all([comm.invoke(r, "freeze", target) for r in shards[1:]])
+        log.warning("stopping at step %d (asked to stop)%s", target,
+                    "" if len(set(ends)) == 1 else f"; shards stop at {ends}")
+        return exact and step >= target
 
     def run(self) -> dict:
         t_start = time.perf_counter()

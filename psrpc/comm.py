@@ -118,11 +118,26 @@ def completed(value: Any) -> Future:
     return fut
 
 
+def settled(result: Any) -> Future:
+    """A Future that already holds `result`, or raises it when it is an exception."""
+    return failed(result) if isinstance(result, BaseException) else completed(result)
+
+
 def failed(error: BaseException) -> Future:
     """A Future that already holds `error` (a push refused before it touched anything)."""
     fut: Future = Future()
     fut.set_exception(error)
     return fut
+
+
+def resolve_all(ready: Sequence[tuple[Future, Any]]) -> None:
+    """Complete each Future with its result, or its error when the result is an exception.
+    Called outside locks: completing a Future of an async_execution call sends its reply."""
+    for fut, result in ready:
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
 
 
 def wait_all(futures: Sequence[Future]) -> list:

@@ -164,6 +164,9 @@ class TrainConfig:
     """samples_per_s counts from the end of this global step to the end."""
     eval_batch_size: int = MISSING
     """Batch size of the chief's final test-set evaluation."""
+    nonfinite_patience: int = MISSING
+    """Non-finite gradients in a row from one replica (each one skipped) that stop the run
+    with an error; 0: never stop."""
 
 
 @dataclass
@@ -291,6 +294,8 @@ def validate(cfg: Config) -> None:
     _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be ≥ 1")
     _check(t.log_every >= 1, "train.log_every", t.log_every, "must be ≥ 1")
     _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be ≥ 0")
+    _check(t.nonfinite_patience >= 0, "train.nonfinite_patience", t.nonfinite_patience,
+           "must be ≥ 0 (0: never stop)")
     _check(t.eval_batch_size >= 1, "train.eval_batch_size", t.eval_batch_size, "must be ≥ 1")
     _check(t.device in ("auto", "cpu", "cuda"), "train.device", t.device,
            "must be auto, cpu or cuda")

@@ -4,7 +4,9 @@
 - crash: the process `fault.crash_role` / `fault.crash_index` kills itself with SIGKILL (no
   cleanup, as `kill -9` would) once the global step reaches `fault.crash_at_step`; only in the
   first attempt of a torchrun group, so a restarted group does not crash again;
-- NaN: `fault.nan_worker` pushes NaN gradients once, at `fault.nan_at_step`.
+- NaN: `fault.nan_worker` pushes NaN gradients once, at `fault.nan_at_step`: its gradient
+  buffers on the device are filled with NaN before anything is sent, so the NaN reaches the PS
+  whatever the wire dtype and the device.
 """
 
 from __future__ import annotations

@@ -88,6 +88,10 @@ class FlatModel:
         for param, _ in self._split:
             param.grad.zero_()
 
+    def all_grads(self) -> list[torch.Tensor]:
+        """Every gradient buffer on the device: the flat ones and those of split tensors."""
+        return list(self.grads) + [param.grad for param, _ in self._split]
+
     def _piece(self, t: torch.Tensor, p) -> torch.Tensor:
         return (t if t.dim() == 0 else t[p.row_start:p.row_end]).reshape(-1)
 

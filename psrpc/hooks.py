@@ -1,7 +1,7 @@
 """Hooks on the chief: the users' extension point, as TensorFlow's SessionRunHook.
 
 A hook sees the run begin, every global step the chief observes, and the end. Built in: MetricsLog
-(progress line, metrics.jsonl, TensorBoard scalars when installed), NanGuard, Throughput,
+(progress line, metrics.jsonl, TensorBoard scalars when installed), Throughput,
 StopAtStep, and the checkpoint saver (psrpc/saver.py). Add your own from the command line:
 `python -m psrpc 'hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 100}]'`.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,24 +173,8 @@ class StopAtStep(Hook):
             info.stop = True
 
 
-class NanGuard(Hook):
-    """Fail the run when the chief's loss is NaN/Inf `patience` steps in a row (the shards
-    already reject non-finite gradients; this catches a model that has diverged)."""
-
-    def __init__(self, patience: int = 10):
-        self.patience, self._bad = patience, 0
-
-    def after_step(self, info: StepInfo) -> None:
-        if info.local_loss is None or math.isfinite(info.local_loss):
-            self._bad = 0
-            return
-        self._bad += 1
-        if self._bad >= self.patience:
-            raise PsrpcError(f"training diverged: the chief's loss was {info.local_loss} for "
-                             f"{self._bad} steps in a row (global step {info.step}); lower "
-                             "optim.lr or check the data")
-
-
 def default_hooks(out_dir: Path, cfg) -> list[Hook]:
-    """What every run gets: progress line, metrics.jsonl and TensorBoard, and the NaN guard."""
-    return [MetricsLog(out_dir, cfg.train.log_every), NanGuard()]
+    """What every run gets: progress line, metrics.jsonl and TensorBoard. (Non-finite
+    gradients are skipped by the shards and stop the run after train.nonfinite_patience in a
+    row: psrpc.worker.NonfiniteGuard.)"""
+    return [MetricsLog(out_dir, cfg.train.log_every)]

@@ -191,8 +191,9 @@ class Stage:
             return functional_call(self.module, leaves, (x.to(self.device),)).cpu()
 
     @comm.async_execution
-    def push(self, context_id: int, loss: float, samples: int):
-        """Push this stage's gradients of step `context_id` to its shards; Future of the Reply."""
+    def push(self, context_id: int, loss: float, samples: int, ticket: Optional[int] = None):
+        """Push this stage's gradients of step `context_id` to its shards; Future of the Reply.
+        `ticket`: the staleness clock's, with bounded staleness."""
         grads = dist_autograd.get_gradients(context_id)
         self.flat.zero_grad()
         with torch.no_grad():
@@ -200,15 +201,23 @@ class Stage:
                 for p, leaf in zip(self.params, self._leaves[micro]):
                     if leaf in grads:
                         p.grad.add_(grads[leaf])
+        self.discard()
+        self.faults.before_backward(self.reply.version)
+        self.faults.corrupt(self.reply.version, self.flat.all_grads())
+        sends = [self.flat.grad_to_send(k) for k in range(len(self.flat.params))]
+        futures = self.client.push_pull_async(self._versions, sends, loss, samples, ticket)
+        return torch.futures.collect_all(futures).then(
+            lambda _: self._load(self.client.wait(futures)))
+
+    def discard(self) -> None:
+        """Forget this step's micro-batches (pushed, or not admitted by the staleness clock)."""
         self._leaves.clear()
         with self.lock:
             self._turn = 0
-        self.faults.before_backward(self.reply.version)
-        sends = [self.flat.grad_to_send(k) for k in range(len(self.flat.params))]
-        self.faults.corrupt(self.reply.version, sends)
-        futures = self.client.push_pull_async(self._versions, sends, loss, samples)
-        return torch.futures.collect_all(futures).then(
-            lambda _: self._load(self.client.wait(futures)))
+
+    def refresh(self) -> Reply:
+        """Pull this stage's parameters afresh."""
+        return self._load(self.client.pull())
 
     def _load(self, replies: list[Reply]) -> Reply:
         """Load the pulled parameters; the leader gets the first shard's Reply without them
@@ -216,7 +225,9 @@ class Stage:
         for k, r in enumerate(replies):
             self.flat.load(k, r.params)
         self._versions = [r.version for r in replies]
-        self.reply = replace(replies[0], params=_NO_PARAMS)
+        # After a pull the shards' versions can differ (bounded staleness, tickets in flight):
+        # the oldest one is this stage's (one version everywhere after a push).
+        self.reply = replace(replies[0], params=_NO_PARAMS, version=min(self._versions))
         return self.reply
 
 
@@ -246,6 +257,7 @@ class PipelineLeader(Replica):
                 topo.local_rank_of(rank), topo.role_of(rank)[1], topo.restart_count)))
         for s in range(len(names) - 1):
             comm.invoke(self.stages[s], "set_next", self.stages[s + 1]).wait()
+        self.client = ShardClient(plan.shards[0], self.replica)  # for the staleness clock
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The replica's buffers, from the stages that own them."""
@@ -254,8 +266,9 @@ class PipelineLeader(Replica):
             out.update(part)
         return out
 
-    def step(self, step: int) -> tuple[list[Reply], float]:
-        """Forward M micro-batches through the pipeline, backward, push every stage."""
+    def step(self, step: int) -> tuple[Optional[list[Reply]], float]:
+        """Forward M micro-batches through the pipeline, backward, push every stage. Replies
+        None: the staleness clock did not admit the gradient (see Worker.step)."""
         x, y = self.batch_for(step)
         with dist_autograd.context() as ctx:
             outs = comm.wait_all([comm.invoke(self.stages[0], "forward", xm.cpu(), m)
@@ -263,18 +276,36 @@ class PipelineLeader(Replica):
             loss = F.cross_entropy(torch.cat(outs).to(self.device), y)
             dist_autograd.backward(ctx, [loss])
             value = loss.item()
-            replies = comm.wait_all([comm.invoke(st, "push", ctx, value, self.batch)
+            ticket = None
+            if self.bounded:
+                admitted = self.client.admit(self.clock, step)
+                if admitted.seq is None:
+                    self.finished = admitted.finished
+                    # the stages drop this step's leaves: the next forward starts afresh
+                    comm.wait_all([comm.invoke(st, "discard") for st in self.stages])
+                    return None, value
+                ticket = admitted.seq
+            replies = comm.wait_all([comm.invoke(st, "push", ctx, value, self.batch, ticket)
                                      for st in self.stages])
         return replies, value
 
     def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
         reply = comm.invoke(self.stages[0], "first_reply").wait()
+        self.finished = False
         while not reply.finished:
             t0 = time.perf_counter()
-            replies, loss = self.step(reply.version)
+            step = reply.version
+            replies, loss = self.step(step)
+            if replies is None:  # not admitted: training is over, or pull fresher parameters
+                if self.finished:
+                    break
+                replies = comm.wait_all([comm.invoke(st, "refresh") for st in self.stages])
+                reply = replace(replies[0], version=min(r.version for r in replies))
+                continue
             reply = replies[0]
             self.stats.pushes += 1
             self.stats.accepted += int(reply.accepted)
             self.stats.compute_s += time.perf_counter() - t0
+            self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if after_step(reply, 0.0, loss):
                 break

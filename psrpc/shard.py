@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -67,6 +68,7 @@ class Reply:
     loss: Optional[float]  # sync: the last round's mean loss; async: mean of the last W applied
     samples: int  # samples whose gradients this shard has applied so far
     stale_dropped: int  # stale gradients dropped so far
+    skipped: bool = False  # this push's gradient was non-finite: not applied, its batch skipped
 
 
 @dataclass
@@ -119,29 +121,39 @@ class Shard:
     # -- the verbs (called through the RRef) -----------------------------------------------------
     @comm.async_execution
     def push_pull(self, worker: int, version: int, grad: torch.Tensor, loss: float,
-                  samples: int):
-        """Push one gradient computed on `version`; the Future holds the Reply with fresh params."""
+                  samples: int, ticket: Optional[int] = None):
+        """Push one gradient computed on `version`; the Future holds the Reply with fresh params.
+        Every argument is checked before anything changes; a non-finite gradient (or loss) is
+        handed on as None: the update rule skips it and counts it. `ticket`: from `admit`, with
+        bounded staleness only."""
         t0 = time.perf_counter()
         try:
-            self._check(worker, version, grad)
+            self._check(worker, version, grad, loss, samples, ticket)
         except PushRejected as e:
             return comm.failed(e)
         try:
-            return self._push(worker, version, grad, loss, samples)
+            # One float32 sum: NaN and ±Inf propagate into it (a finite gradient overflowing
+            # float32 in sum would be absurd); 20× cheaper than isfinite(grad).all()'s mask.
+            finite = math.isfinite(loss) and bool(torch.isfinite(grad.sum(dtype=torch.float32)))
+            return self.updater.push(worker, version, grad if finite else None, loss, samples,
+                                     ticket)
         finally:
             # unlocked: a rare lost increment between RPC threads only blurs a measurement
             self.stats.busy_s += time.perf_counter() - t0
 
-    def _push(self, worker: int, version: int, grad: torch.Tensor, loss: float, samples: int):
-        # One float32 sum: NaN and ±Inf propagate into it (a finite gradient overflowing float32
-        # in sum would be absurd); 20× cheaper than isfinite(grad).all()'s 45 MB bool mask.
-        if not bool(torch.isfinite(grad.sum(dtype=torch.float32))):
-            with self.lock:
-                self.stats.nan_rejected += 1
-                log.warning("%s: rejected a non-finite gradient from worker%d at step %d",
-                            self.name, worker, version)
-                return comm.completed(self.reply(accepted=False))
-        return self.updater.push(worker, version, grad, loss, samples)
+    @comm.async_execution
+    def admit(self, worker: int, version: int):
+        """Bounded staleness, on the clock shard: the Future of a Ticket for a gradient that
+        `worker` computed on `version` (it waits while the bound says so)."""
+        try:
+            self._check_worker_version(worker, version)
+        except PushRejected as e:
+            return comm.failed(e)
+        admit = getattr(self.updater, "admit", None)
+        if admit is None:
+            return comm.failed(PushRejected(f"{self.name}: admit is for update=async with "
+                                            "update.max_staleness set"))
+        return admit(worker, version)
 
     def pull(self) -> Reply:
         with self.lock:
@@ -158,15 +170,19 @@ class Shard:
         with self.lock:
             return self.snapshots.request(step, self.version, self.max_steps)
 
-    def freeze(self) -> int:
-        """Stop applying updates (the chief ends training early); returns the final version."""
+    def freeze(self, target: int) -> int:
+        """End training at step `target` (the chief stops early): this shard applies updates
+        until it reaches `target`, never past it, and stops at once if it is there already
+        (answering every waiter). Returns the step it stops at: `target`, or its version if
+        that is past `target`; on the clock shard of bounded staleness, the tickets already
+        issued (every shard must reach them)."""
         with self.lock:
-            self.max_steps = min(self.max_steps, self.version)
-            ready = self.updater.release()
+            target = self.updater.freeze(target) if hasattr(self.updater, "freeze") else target
+            self.max_steps = max(self.version, min(self.max_steps, target))
+            ready = self.updater.release() if self.finished else []
             self.snapshots.unreachable(self.max_steps)
-        for fut, reply in ready:
-            fut.set_result(reply)
-        return self.version
+        comm.resolve_all(ready)
+        return self.max_steps
 
     def report(self) -> dict:
         with self.lock:
@@ -191,23 +207,36 @@ class Shard:
     def finished(self) -> bool:
         return self.version >= self.max_steps
 
-    def apply(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
-        """One optimizer step on the master copy with this (already averaged) gradient."""
+    def step_optimizer(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+        """One optimizer step on the master copy with this (already averaged) gradient. The
+        caller counts the push and then calls `advance()`."""
         # The optimizer reads .grad: point it at the gradient instead of copying 4 bytes/param.
         self.params.grad = grad if grad.dtype == torch.float32 else grad.float()
-        if lr_scale != 1.0:
-            for g, lr in zip(self.optimizer.param_groups, self.base_lr):
-                g["lr"] = lr * lr_scale
-        with torch.no_grad():
-            self.optimizer.step()
-        if lr_scale != 1.0:
-            for g, lr in zip(self.optimizer.param_groups, self.base_lr):
-                g["lr"] = lr
+        try:
+            if lr_scale != 1.0:
+                for g, lr in zip(self.optimizer.param_groups, self.base_lr):
+                    g["lr"] = lr * lr_scale
+            with torch.no_grad():
+                self.optimizer.step()
+        finally:
+            self.params.grad = None
+            if lr_scale != 1.0:
+                for g, lr in zip(self.optimizer.param_groups, self.base_lr):
+                    g["lr"] = lr
+
+    def advance(self) -> None:
+        """The global step passes (after an update, or with none: a skipped step). A checkpoint
+        due at the new version is snapshotted now, counters included."""
         self.version += 1
         self.faults.after_update(self.version)
         self.snapshots.after_update(self.version)
         if self.finished:
             self.snapshots.unreachable(self.max_steps)
+
+    def count_nonfinite(self, worker: int, version: int) -> None:
+        self.stats.nan_rejected += 1
+        log.warning("%s: rejected a non-finite gradient from worker%d at step %d (its batch is "
+                    "skipped)", self.name, worker, version)
 
     def record_loss(self, loss: float) -> None:
         self.losses.append(loss)
@@ -217,7 +246,8 @@ class Shard:
         """Mean loss of the last W applied gradients (sync: of the last round)."""
         return sum(self.losses) / len(self.losses) if self.losses else None
 
-    def reply(self, accepted: bool, loss: Optional[float] = None, shared: bool = False) -> Reply:
+    def reply(self, accepted: bool, loss: Optional[float] = None, shared: bool = False,
+              skipped: bool = False) -> Reply:
         """The reply carries a snapshot: it is serialised after the lock is released, while the
         next update may already be changing the master copy. `shared` sends the master copy
         itself, for a caller that knows no update can happen before every receiver has it."""
@@ -227,7 +257,7 @@ class Shard:
             params = self.params.detach().to(self.wire_dtype, copy=True)
         return Reply(self.version, params, accepted, self.finished,
                      self.recent_loss if loss is None else loss, self.stats.samples,
-                     self.stats.stale_dropped)
+                     self.stats.stale_dropped, skipped)
 
     def _snapshot(self, step: int) -> dict:
         """What a checkpoint of this shard holds (copies: taken under the lock)."""
@@ -235,11 +265,22 @@ class Shard:
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "stats": asdict(self.stats)}
 
-    def _check(self, worker: int, version: int, grad) -> None:
+    def _check_worker_version(self, worker, version) -> None:
         name = self.name
-        if not isinstance(worker, int) or not 0 <= worker < self.num_workers:
+        if type(worker) is not int or not 0 <= worker < self.num_workers:
             raise PushRejected(f"{name}: push from unknown worker {worker!r} "
                                f"(workers are 0..{self.num_workers - 1})")
+        if type(version) is not int or version < 0:
+            raise PushRejected(f"{name}: worker{worker} pushed a gradient for step {version!r}; "
+                               "a step is an int >= 0")
+        if version > self.version:
+            raise PushRejected(f"{name}: worker{worker} pushed a gradient for step {version!r}, "
+                               f"but this shard is at step {self.version} (a step from the future)")
+
+    def _check(self, worker, version, grad, loss, samples, ticket) -> None:
+        """Every argument of a push, before anything changes."""
+        name = self.name
+        self._check_worker_version(worker, version)
         if not isinstance(grad, torch.Tensor):
             raise PushRejected(f"{name}: worker{worker} pushed a {type(grad).__name__}, "
                                "expected a flat tensor")
@@ -249,6 +290,18 @@ class Shard:
         if grad.dtype != self.wire_dtype:
             raise PushRejected(f"{name}: worker{worker} pushed dtype {grad.dtype}, expected "
                                f"{self.wire_dtype} (update.wire_dtype)")
-        if not isinstance(version, int) or version > self.version:
-            raise PushRejected(f"{name}: worker{worker} pushed a gradient for step {version!r}, "
-                               f"but this shard is at step {self.version} (a step from the future)")
+        if grad.device.type != "cpu" or grad.layout != torch.strided:
+            raise PushRejected(f"{name}: worker{worker} pushed a {grad.layout} tensor on "
+                               f"{grad.device}, expected a dense CPU tensor")
+        if type(loss) not in (int, float):
+            raise PushRejected(f"{name}: worker{worker} pushed loss {loss!r}, expected a number")
+        if type(samples) is not int or samples < 0:
+            raise PushRejected(f"{name}: worker{worker} pushed samples={samples!r}, expected an "
+                               "int >= 0")
+        ordered = getattr(self.updater, "ordered", False)
+        if ordered and (type(ticket) is not int or ticket < 0):
+            raise PushRejected(f"{name}: worker{worker} pushed ticket {ticket!r}: with "
+                               "update.max_staleness set every push needs a ticket from admit")
+        if not ordered and ticket is not None:
+            raise PushRejected(f"{name}: worker{worker} pushed ticket {ticket!r}, but this "
+                               "shard takes no tickets (only bounded async does)")

@@ -1,14 +1,19 @@
 """The barrier aggregator (`update=sync`): one optimizer step per round of gradients.
 
-A push adds its gradient to the round's sum and gets the round's Future: the RPC thread is free
-while the worker waits (`async_execution`). When `replicas_to_aggregate` gradients (default: every
-live worker) are in, the sum is averaged, the optimizer steps once, the version goes up and every
-waiter gets the same fresh parameters: large-batch SGD over the union of their batches.
+A push adds its gradient to the round and gets the round's Future: the RPC thread is free while
+the worker waits (`async_execution`). When `replicas_to_aggregate` gradients (default: every live
+worker) are in, they are summed in worker order (so that a rerun gives the same bits whatever
+order they arrived in), averaged, the optimizer steps once, the version goes up and every waiter
+gets the same fresh parameters: large-batch SGD over the union of their batches.
 
 A gradient computed on an older version is stale: dropped, counted, answered at once with the
-current parameters (backup workers: with N < W the first N make the round). A round open longer
-than `timeout_s` aggregates what it has; the missing workers count as lost and later rounds stop
-waiting for them, until they push again.
+current parameters (backup workers: with N < W the first N make the round). A non-finite gradient
+is rejected: its worker is excused from the round (it waits for the round like the others and
+moves on to the next batch: its batch is skipped); a round whose every gradient was rejected
+advances the step without an update. A round open longer than `timeout_s` aggregates what it
+has; the missing workers count as lost and later rounds stop waiting for them, until they push
+again. An error while closing a round goes to every waiter of that round; the next round starts
+clean.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -41,18 +47,24 @@ class SyncAggregator:
                                   f"{shard.name}-round-timeout")
 
     def _new_round(self) -> None:
-        self._members: set[int] = set()
-        self._first: Optional[torch.Tensor] = None  # a round's lone gradient, not yet summed
-        self._losses: list[float] = []
+        self._grads: dict[int, torch.Tensor] = {}  # worker -> its gradient (as received)
+        self._losses: dict[int, float] = {}
+        self._excused: set[int] = set()  # pushed a non-finite gradient: in the round, no vote
         self._samples = 0
         self._opened: Optional[float] = None
         self._future = torch.futures.Future()
 
+    @property
+    def members(self) -> set[int]:
+        return set(self._grads) | self._excused
+
     def needed(self) -> int:
-        """Gradients that close the round: N, or fewer when workers are lost."""
+        """Pushes that close the round: N, or fewer when workers are lost."""
         return max(1, min(self.replicas_to_aggregate, len(self.live.alive)))
 
-    def push(self, worker: int, version: int, grad: torch.Tensor, loss: float, samples: int):
+    def push(self, worker: int, version: int, grad: Optional[torch.Tensor], loss: float,
+             samples: int, ticket=None):
+        """`grad` None: the shard found the push non-finite."""
         shard = self.shard
         with shard.lock:
             self.live.seen(worker)
@@ -61,69 +73,84 @@ class SyncAggregator:
                 return comm.completed(shard.reply(accepted=False))
             if shard.finished:
                 return comm.completed(shard.reply(accepted=False))
-            if worker in self._members:
+            if worker in self.members:
                 return comm.failed(PushRejected(
                     f"{shard.name}: worker{worker} pushed twice for step {version}"))
-            # The first gradient of a round is kept as is (no pass over it); the second is added
-            # to it into the float32 sum buffer, later ones in place (grad may be bf16 on the wire).
-            if not self._members:
-                self._first = grad
-            elif self._first is not None:
-                if grad.dtype == torch.float32:
-                    torch.add(self._first, grad, out=self._sum)
-                else:  # sum bf16/fp16 gradients in float32, not in their own precision
-                    self._sum.copy_(self._first).add_(grad)
-                self._first = None
+            if grad is None:
+                shard.count_nonfinite(worker, version)
+                self._excused.add(worker)
             else:
-                self._sum.add_(grad)
-            self._members.add(worker)
-            self._losses.append(float(loss))
-            self._samples += int(samples)
+                self._grads[worker] = grad
+                self._losses[worker] = float(loss)
+                self._samples += int(samples)
             if self._opened is None:
                 self._opened = time.monotonic()
             future = self._future
-            done = self._close_round() if len(self._members) >= self.needed() else None
+            done = self._close_round() if len(self.members) >= self.needed() else None
         if done is not None:
-            done[0].set_result(done[1])  # outside the lock: completing sends every reply
+            comm.resolve_all([done])
+        if grad is None:  # same round, same parameters; the reply says its batch was skipped
+            return future.then(lambda f: replace(f.value(), accepted=False, skipped=True))
         return future
 
     def _close_round(self):
-        """Average, step, reply. Caller holds the lock; returns (future, reply) to complete."""
-        shard = self.shard
-        count = len(self._members)
-        total = self._sum if self._first is None else self._first
-        for w in self._members:  # counters first: a checkpoint taken in apply() includes them
-            shard.stats.applied(w, 0)
-        shard.stats.samples += self._samples
-        loss = sum(self._losses) / count
-        shard.record_loss(loss)
-        shard.apply(total if count == 1 else total.div_(count))
-        # Zero-copy when every worker is in the round: none can push again (and no update can
-        # happen) before it has received this reply in full. With backups or lost workers a
-        # faster worker could close the next round while a reply is still being written.
-        everyone = count == self.num_workers and not self.live.lost
-        reply = shard.reply(accepted=True, loss=loss, shared=everyone)
-        future = self._future
+        """Sum in worker order, average, step, reply. Caller holds the lock; returns
+        (future, reply or exception) to complete outside the lock."""
+        shard, future = self.shard, self._future
+        workers = sorted(self._grads)
+        try:
+            if workers:
+                loss = sum(self._losses[w] for w in workers) / len(workers)
+                shard.step_optimizer(self._average([self._grads[w] for w in workers]))
+                for w in workers:
+                    shard.stats.applied(w, 0)
+                shard.stats.samples += self._samples
+                shard.record_loss(loss)
+            else:  # every gradient of the round was rejected: the step passes, no update
+                loss = None
+            shard.advance()
+            # Zero-copy when every worker is in the round: none can push again (and no update
+            # can happen) before it has received this reply in full. With backups or lost
+            # workers a faster worker could close the next round while a reply is still being
+            # written.
+            everyone = len(self.members) == self.num_workers and not self.live.lost
+            reply = shard.reply(accepted=bool(workers), loss=loss, shared=everyone)
+        except Exception as e:  # the round's waiters get the error; the next round starts clean
+            log.exception("%s: closing round %d failed", shard.name, shard.version)
+            reply = e
         self._new_round()
         return future, reply
+
+    def _average(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of `grads`, summed left to right (worker order) in float32."""
+        if len(grads) == 1:
+            return grads[0]
+        total = self._sum
+        if grads[0].dtype == torch.float32 and grads[1].dtype == torch.float32:
+            torch.add(grads[0], grads[1], out=total)
+        else:  # sum bf16/fp16 gradients in float32, not in their own precision
+            total.copy_(grads[0]).add_(grads[1])
+        for g in grads[2:]:
+            total.add_(g)
+        return total.div_(len(grads))
 
     def _check_timeout(self) -> None:
         shard, done = self.shard, None
         with shard.lock:
             if self._opened is not None and time.monotonic() - self._opened > self.timeout_s:
-                missing = sorted(self.live.alive - self._members)
+                missing = sorted(self.live.alive - self.members)
                 log.warning("%s: round %d waited %.1f s (update.timeout_s) with %d of %d "
                             "gradients; going on without %s", shard.name, shard.version,
-                            self.timeout_s, len(self._members), self.needed(),
+                            self.timeout_s, len(self.members), self.needed(),
                             ", ".join(f"worker{w}" for w in missing))
                 self.live.lose(missing)
                 done = self._close_round()
         if done is not None:
-            done[0].set_result(done[1])
+            comm.resolve_all([done])
 
     def release(self) -> list:
         """Training is over: answer the open round's waiters (their gradients are discarded)."""
-        if not self._members:
+        if not self.members:
             return []
         done = [(self._future, self.shard.reply(accepted=False))]
         self._new_round()
@@ -131,3 +158,4 @@ class SyncAggregator:
 
     def close(self) -> None:
         self._watchdog.close()
+

@@ -24,6 +24,7 @@ from psrpc.faults import build_faults
 from psrpc.flat import FlatModel
 from psrpc.layout import Layout
 from psrpc.models import build_model
+from psrpc.async_apply import Ticket
 from psrpc.shard import WIRE_DTYPES, Reply
 from psrpc.topology import Topology
 
@@ -76,19 +77,29 @@ class ShardClient:
         return replies
 
     def push_one(self, shard: int, version: int, grad: torch.Tensor, loss: float,
-                 samples: int):
+                 samples: int, ticket: Optional[int] = None):
         """Push one shard now (while backward goes on); returns the Future of its Reply."""
         return comm.invoke(self.shards[shard], "push_pull", self.worker, version, grad, loss,
-                           samples, timeout_s=self.timeout_s)
+                           samples, ticket, timeout_s=self.timeout_s)
 
     def push_pull_async(self, versions: list[int], grads: list[torch.Tensor], loss: float,
-                        samples: int) -> list:
-        return [self.push_one(k, v, g, loss, samples)
+                        samples: int, ticket: Optional[int] = None) -> list:
+        return [self.push_one(k, v, g, loss, samples, ticket)
                 for k, (v, g) in enumerate(zip(versions, grads))]
 
     def push_pull(self, versions: list[int], grads: list[torch.Tensor], loss: float,
-                  samples: int) -> list[Reply]:
-        return self.wait(self.push_pull_async(versions, grads, loss, samples))
+                  samples: int, ticket: Optional[int] = None) -> list[Reply]:
+        return self.wait(self.push_pull_async(versions, grads, loss, samples, ticket))
+
+    def admit(self, clock, version: int) -> Ticket:
+        """Bounded staleness: the clock shard's ticket for a gradient computed on `version`
+        (waits while the bound holds this worker back)."""
+        try:
+            return comm.invoke(clock, "admit", self.worker, version,
+                               timeout_s=self.timeout_s).wait()
+        except Exception as e:
+            raise PsrpcError(f"worker{self.worker}: admit at {comm.owner_name(clock)} failed: "
+                             f"{_first_line(e)}") from e
 
     def pull(self) -> list[Reply]:
         return self.wait([comm.invoke(rref, "pull", timeout_s=self.timeout_s)
@@ -106,6 +117,27 @@ def pick_device(name: str, local_rank: int) -> torch.device:
     return device
 
 
+class NonfiniteGuard:
+    """Fails the run after `patience` non-finite gradients in a row from this replica (the
+    shards skip each one and count it, as TensorFlow's NanTensorHook with fail_on_nan_loss
+    stops training); 0: never."""
+
+    def __init__(self, replica: int, patience: int, wire_dtype: str):
+        self.replica, self.patience, self.wire_dtype = replica, patience, wire_dtype
+        self.in_a_row = 0
+
+    def after_push(self, skipped: bool, step: int, loss: float) -> None:
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if self.patience and self.in_a_row >= self.patience:
+            hint = (" (update.wire_dtype=float16 overflows past 65504: use bfloat16)"
+                    if self.wire_dtype == "float16" else "")
+            raise PsrpcError(
+                f"worker{self.replica}: {self.in_a_row} non-finite gradients in a row (the last "
+                f"at step {step}, loss {loss}); every one was skipped. Lower optim.lr or check "
+                f"the data{hint}; train.nonfinite_patience={self.patience} sets how many in a "
+                "row stop the run")
+
+
 class Replica:
     """What every replica's training loop has: its data slice, its device, its counters."""
 
@@ -119,6 +151,11 @@ class Replica:
                                      cfg.train.seed)
         self.faults = build_faults(cfg.fault, "worker", topo.index, topo.restart_count)
         self.stats = WorkerStats()
+        self.nonfinite = NonfiniteGuard(self.replica, cfg.train.nonfinite_patience,
+                                        cfg.update.wire_dtype)
+        # Bounded staleness: a gradient is pushed only once the clock shard admits it.
+        self.bounded = cfg.update.name == "async" and cfg.update.max_staleness is not None
+        self.clock = plan.shards[0][0]
 
     @classmethod
     def build_model(cls, cfg: Config, dataset):
@@ -161,40 +198,62 @@ class Worker(Replica):
             replies.append(reply)
         return replies
 
-    def step(self, step: int, versions: list[int]) -> tuple[float, list]:
+    def step(self, step: int, versions: list[int]) -> tuple[float, Optional[list]]:
         """Forward and backward on this worker's rows of global batch `step`, pushing each shard
-        as soon as backward completes it. Returns the loss and the push Futures."""
+        as soon as backward completes it. Returns the loss and the push Futures; None when the
+        staleness clock did not admit the gradient (`self.finished` says whether training is
+        over; otherwise it was too stale)."""
         x, y = self.batch_for(step)
         self.flat.zero_grad()
         loss = F.cross_entropy(self.model(x), y)
         value = loss.item()
         futures: list = [None] * len(versions)
+        ticket = None
 
         def push(k: int) -> None:
             futures[k] = self.client.push_one(k, versions[k], self.flat.grad_to_send(k), value,
-                                              self.batch)
+                                              self.batch, ticket)
 
-        nan = self.faults.nan_due(step)  # a NaN injection needs every gradient first
-        if not nan:
+        # Every gradient is needed before the first push for a NaN injection, and for the
+        # clock's ticket (bounded staleness); otherwise shards go out as backward fills them.
+        nan = self.faults.nan_due(step)
+        overlap = not (nan or self.bounded)
+        if overlap:
             self.flat.arm(push)
         self.faults.before_backward(step)
         loss.backward()
-        rest = self.flat.disarm() if not nan else list(range(len(versions)))
+        rest = self.flat.disarm() if overlap else list(range(len(versions)))
         if nan:
-            self.faults.corrupt(step, [self.flat.grad_to_send(k) for k in rest])
-        for k in rest:  # shards with unused parameters, or all of them after a NaN injection
+            self.faults.corrupt(step, self.flat.all_grads())
+        if self.bounded:
+            # After a pull the shards' versions can differ (tickets still in flight): the
+            # oldest one bounds this gradient's staleness on every shard.
+            admitted = self.client.admit(self.clock, min(versions))
+            if admitted.seq is None:
+                self.finished = admitted.finished
+                return value, None
+            ticket = admitted.seq
+        for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
         return value, futures
 
     def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
         """Train until the shards say training is finished. `after_step` is the chief's hook;
-        it returns True to end training early."""
+        it returns True to end training at once."""
         replies = self.client.pull()
         versions = self.load(replies)
+        self.finished = False
         while not replies[0].finished:
             t0 = time.perf_counter()
-            loss, futures = self.step(versions[0], versions)
+            step = versions[0]
+            loss, futures = self.step(step, versions)
             t1 = time.perf_counter()
+            if futures is None:  # not admitted: training is over, or pull fresher parameters
+                if self.finished:
+                    break
+                replies = self.client.pull()
+                versions = self.load(replies)
+                continue
             replies = self.receive(futures)
             t2 = time.perf_counter()
             versions = [r.version for r in replies]
@@ -202,6 +261,7 @@ class Worker(Replica):
             self.stats.accepted += int(replies[0].accepted)
             self.stats.compute_s += t1 - t0
             self.stats.push_s += t2 - t1
+            self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if after_step(replies[0], t2 - t1, loss):
                 break
 

@@ -37,9 +37,25 @@ def test_ps_crash_stops_the_run_naming_it_and_rerun_resumes(tmp_path):
     assert summary["restored_from_step"] == 20 and summary["steps"] == 60
 
 
-def test_nan_gradients_rejected_run_finishes_finite(tmp_path):
-    summary, state = run_cluster(tmp_path, ["cluster.num_workers=2", "fault.nan_worker=1",
-                                            "fault.nan_at_step=5"])
+@pytest.mark.parametrize("wire, workers", [("float32", 1), ("float32", 2), ("bfloat16", 2),
+                                           ("float16", 1)])
+def test_nan_gradient_skips_its_batch_and_the_run_goes_on(tmp_path, wire, workers):
+    """The injected NaN reaches the PS whatever the wire dtype (it used to be overwritten on a
+    bf16/fp16 wire), its batch is skipped (no spin with W=1), training goes on."""
+    summary, state = run_cluster(tmp_path, [f"cluster.num_workers={workers}",
+                                            f"update.wire_dtype={wire}",
+                                            "fault.nan_worker=0", "fault.nan_at_step=5"])
     assert summary["steps"] == 20 and summary["nan_rejected"] >= 1
+    assert summary["samples"] == (20 * workers - 1) * 16  # exactly one batch skipped
     assert all(torch.isfinite(v).all() for v in state.values())
     assert math.isfinite(summary["final_loss"])
+
+
+def test_every_gradient_overflowing_stops_with_an_error_naming_worker_and_step(tmp_path):
+    """float16 on the wire with gradients past 65504: every push is non-finite. The run stops
+    after train.nonfinite_patience in a row instead of pushing the same batch forever."""
+    with pytest.raises(ClusterFailed, match=r"worker0: 3 non-finite gradients in a row \(the "
+                                            r"last at step \d+, .*float16 overflows past 65504"):
+        run_cluster(tmp_path, ["cluster.num_workers=1", "update.wire_dtype=float16",
+                               "optim.lr=1e5", "train.nonfinite_patience=3",
+                               "train.steps=50"], timeout_s=120)

@@ -25,10 +25,21 @@ def test_workers_time_out_waiting_for_the_chief_with_a_clear_message(tmp_path):
         launch(cfg, tmp_path, timeout_s=60, worker_cls=SlowChiefWorker)
 
 
-def test_user_hook_from_config_stops_training_early(tmp_path):
-    summary, _ = run_cluster(tmp_path, [
-        "train.steps=1000", "hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 30}]"])
-    assert summary["stopped_early"] and 30 <= summary["steps"] <= 31
+@pytest.mark.parametrize("mode", [
+    [],  # sync, the chief in every round: it stops exactly there
+    ["update=async", "cluster.num_ps=2", "cluster.bucket_bytes=0"],
+    ["update=async", "update.max_staleness=1", "cluster.num_ps=2", "cluster.bucket_bytes=0"],
+], ids=["sync", "async", "async-bounded"])
+def test_user_hook_from_config_stops_every_shard_at_one_step(tmp_path, mode):
+    """Stopping early ends every shard at the same step (shards can be apart or moving when
+    the chief asks), so the final checkpoint, which needs all of them, is committed."""
+    summary, _ = run_cluster(tmp_path, mode + [
+        "train.steps=1000", f"checkpoint.dir={tmp_path / 'ck'}",
+        "hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 30}]"])
+    steps = summary["steps"]
+    assert summary["stopped_early"] and (steps == 30 if not mode else 30 <= steps < 100)
+    assert all(s["version"] == steps for s in summary["shards"])
+    assert (tmp_path / "ck" / f"step-{steps}" / "manifest.json").exists()
 
 
 def _descendants(pid: int) -> list[int]:

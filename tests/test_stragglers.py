@@ -35,3 +35,22 @@ def test_bounded_staleness_no_applied_gradient_staler_than_k(tmp_path, bound):
         assert summary["max_staleness"] <= bound
         # the fast ones waited for it: it made about a third of the updates
         assert int(summary["shards"][0]["per_worker_applied"]["2"]) >= 240 // 3 - 10
+
+
+@pytest.mark.parametrize("layout", [["cluster.num_ps=2", "cluster.bucket_bytes=0"],
+                                    ["cluster.num_ps=2", "cluster.bucket_bytes=200000"]],
+                         ids=["2ps", "2ps-buckets"])
+def test_bounded_staleness_holds_on_every_shard(tmp_path, layout):
+    """The bound is enforced once, before a push reaches any shard: every shard applies the same
+    gradients, ends at train.steps, and the final checkpoint (which needs every shard at the
+    same step) is committed."""
+    summary, _ = run_cluster(tmp_path, layout + [
+        "update=async", "update.max_staleness=1", "cluster.num_workers=2", "train.steps=60",
+        "fault.slow_worker=1", "fault.slow_s=0.05", f"checkpoint.dir={tmp_path / 'ck'}"])
+    shards = summary["shards"]
+    assert len(shards) >= (2 if "bucket_bytes=0" in layout[1] else 3)
+    assert all(s["version"] == 60 for s in shards)
+    assert all(s["max_staleness"] <= 1 for s in shards)
+    assert all(s["per_worker_applied"] == shards[0]["per_worker_applied"] for s in shards)
+    assert int(shards[0]["per_worker_applied"].get("1", 0)) >= 60 // 2 - 5  # it was waited for
+    assert (tmp_path / "ck" / "step-60" / "manifest.json").exists()

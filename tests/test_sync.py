@@ -82,3 +82,21 @@ def test_no_update_past_train_steps():
         push(shard, 0, v, [1.0] * 4).wait()
     r = push(shard, 0, 2, [1.0] * 4).wait()
     assert not r.accepted and r.version == 2
+
+
+def test_round_sums_in_worker_order_whatever_the_arrival_order():
+    """Reruns are bit-identical: float addition is not associative ((a + b) + c != (a + c) + b
+    for these), so summing in arrival order made two identical runs differ."""
+    grads = {0: [1e8, 1.0, 3.0, 0.1], 1: [1.0, 1e8, 0.1, 3.0], 2: [-1e8, -1e8, 0.3, 0.7]}
+    losses = {0: 0.1, 1: 0.2, 2: 0.3}
+    results = []
+    for order in [(0, 1, 2), (2, 1, 0), (1, 2, 0)]:
+        shard = make_shard(sync(), sgd(lr=1.0), workers=3)
+        futures = [push(shard, w, 0, grads[w], loss=losses[w]) for w in order]
+        r = futures[0].wait()
+        results.append((shard.params.clone(), r.loss))
+        shard.close()
+    assert all(torch.equal(p, results[0][0]) and l == results[0][1] for p, l in results)
+    # the check can fail: arrival order really changes these sums
+    a, b, c = (torch.tensor(grads[w]) for w in (0, 1, 2))
+    assert not torch.equal((a + b) + c, (c + b) + a)

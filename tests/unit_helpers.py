@@ -32,3 +32,13 @@ def push(shard, worker, version, grad, loss=1.0, samples=1):
     """Call push_pull directly (what the RPC would run on the PS); returns its Future."""
     return shard.push_pull(worker, version, torch.as_tensor(grad, dtype=torch.float32), loss,
                            samples)
+
+
+def admit(shard, worker, version):
+    """Ask the staleness clock for a ticket (what `Shard.admit` runs on the PS); its Future."""
+    return shard.admit(worker, version)
+
+
+def push_ticket(shard, worker, version, grad, ticket, loss=1.0, samples=1):
+    return shard.push_pull(worker, version, torch.as_tensor(grad, dtype=torch.float32), loss,
+                           samples, ticket)
