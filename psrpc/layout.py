@@ -8,8 +8,8 @@ their gradients, are grouped into buckets of about that size (at least one per P
 is a shard of its own, and buckets are placed greedily by bytes the same way. A worker pushes a
 bucket the moment backward has filled it.
 
-Each shard is one flat float32 buffer: its pieces back to back. Sharding never changes the math
-(every optimizer here is elementwise).
+Each shard is one flat float32 buffer: its pieces back to back, each aligned to ALIGN elements.
+Sharding never changes the math (every optimizer here is elementwise), nor a bit of the result.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Layout:
             for gi in members:
                 for nbytes, _, name, a, b in groups[gi]:
                     pieces.append(Piece(name, a, b, shard, offset, nbytes // element_size))
-                    offset += nbytes // element_size
+                    offset = _aligned(offset + nbytes // element_size)
             numels.append(offset)
         return cls(shapes, tuple(pieces), tuple(numels), tuple(shard_ps))
 
@@ -115,7 +115,7 @@ class Layout:
     # -- flat buffers <-> tensors --------------------------------------------------------------
     def split(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Named tensors -> one flat float32 CPU buffer per shard."""
-        flats = [torch.empty(n, dtype=torch.float32) for n in self.shard_numel]
+        flats = [torch.zeros(n, dtype=torch.float32) for n in self.shard_numel]  # zero padding
         for p in self.pieces:
             flats[p.shard][p.offset:p.offset + p.numel].copy_(
                 self._rows(tensors[p.name], p).reshape(-1))
@@ -142,6 +142,18 @@ class Layout:
         return cls({n: tuple(s) for n, s in d["shapes"].items()},
                    tuple(Piece(**p) for p in d["pieces"]), tuple(d["shard_numel"]),
                    tuple(d["shard_ps"]))
+
+
+ALIGN = 64
+"""Elements: every piece starts, and every shard ends, on a multiple of this. Vectorised CPU
+kernels (the fused optimizers, BLAS) treat an element by its position within the vector width
+and handle a buffer's tail apart, so an unaligned tensor can round differently with another
+number of PS (measured: fused SGD, 7e-9 after 20 steps). Aligned, sharding changes no bit;
+the padding (at most 63 floats a piece) stays zero."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _buckets(chunks: list[tuple], num_ps: int, bucket_bytes: int) -> list[list[tuple]]:

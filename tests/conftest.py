@@ -60,6 +60,13 @@ def assert_same_model(a: dict, b: dict, rtol=1e-4, atol=1e-5) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
+def assert_equal_model(a: dict, b: dict) -> None:
+    """Bit for bit: for the contracts that are exact (reruns, number of PS, resume)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k}: differs by {(a[k] - b[k]).abs().max().item()}"
+
+
 def models_differ(a: dict, b: dict, atol=1e-3) -> bool:
     return any(not torch.allclose(a[k], b[k], atol=atol) for k in a)
 

@@ -14,8 +14,20 @@ def test_greedy_by_bytes_emptiest_takes_next_largest():
     # c (3000) -> ps0; a.weight (1000) -> ps1; b.weight (1000) -> ps1; a.bias (100) -> ps1 ...
     assert where["c.weight"] == 0
     assert where["a.weight"] == 1 and where["b.weight"] == 1
-    assert sum(layout.shard_numel) == sum(torch.Size(s).numel() for s in SHAPES.values())
+    assert sum(p.numel for p in layout.pieces) == sum(torch.Size(s).numel() for s in SHAPES.values())
     assert not layout.split_names
+
+
+def test_pieces_and_shards_aligned():
+    """Vectorised kernels round an element by its position in the vector: aligned offsets make
+    the number of PS change no bit of the result."""
+    from psrpc.layout import ALIGN
+
+    layout = Layout.plan(SHAPES, 3, max_shard_bytes=4000)
+    assert all(p.offset % ALIGN == 0 for p in layout.pieces)
+    assert all(n % ALIGN == 0 for n in layout.shard_numel)
+    flats = layout.split({n: torch.ones(s) for n, s in SHAPES.items()})
+    assert sum(int(f.sum()) for f in flats) == sum(p.numel for p in layout.pieces)  # zero padding
 
 
 def test_large_tensor_split_along_dim0_across_ps():
