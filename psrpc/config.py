@@ -42,6 +42,8 @@ class ClusterConfig:
     """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
     port: Optional[int] = MISSING
     """Local launcher's rendezvous port; null: MASTER_PORT if set, else a free one."""
+    interface: Optional[str] = MISSING
+    """NIC RPC listens on under torchrun; null: TP_SOCKET_IFNAME's, else the host name's."""
 
 
 @dataclass
@@ -267,6 +269,10 @@ def validate(cfg: Config) -> None:
     _check(c.init_timeout_s > 0, "cluster.init_timeout_s", c.init_timeout_s, "must be > 0")
     _check(c.port is None or 0 < c.port < 65536, "cluster.port", c.port,
            "must be a TCP port in 1..65535, or null")
+    if c.interface is not None:
+        from psrpc import netif
+
+        netif.check_interface(c.interface, "cluster.interface")
     if p.name == "model":
         _check(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
         _check(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,

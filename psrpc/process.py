@@ -103,7 +103,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
     comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
               rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
               threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
-              attempt=topo.restart_count)
+              attempt=topo.restart_count, interface=topo.interface, agent_store=topo.agent_store)
     graceful = False
     try:
         if topo.is_chief:
