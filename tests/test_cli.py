@@ -2,6 +2,7 @@
 ending in one clear message (non-zero exit, no traceback)."""
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -40,9 +41,20 @@ def _clean_error(result, *needles):
     (["data=mnist", "data.root=/no/such/dir"],
      ["data.root='/no/such/dir'", "/no/such/dir/MNIST/raw/train-images-idx3-ubyte",
       "data.download=true"]),
+    # the rest of validate's checks are unit tests in test_config.py
+    (["optim.lr=-1"], ["optim.lr=-1.0", "must be a finite number ≥ 0"]),
+    (["hooks=[{_target_: no.such.Hook}]"],
+     ["hooks[0]._target_='no.such.Hook'", "cannot import it", "No module named 'no'"]),
+    (["cluster.transports=[uv,tcp]"],
+     ["cluster.transports=['uv', 'tcp']", "['uv', 'shm', 'ibv']"]),
+    pytest.param(["train.device=cuda"], ["train.device='cuda'", "CUDA is not available"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_config_one_clear_message(tmp_path, args, needles):
-    _clean_error(cli(args, tmp_path, timeout=60), *needles)
+    r = cli(args, tmp_path, timeout=60)
+    _clean_error(r, *needles)
+    # caught before any rank started: every line a rank logs starts with its name
+    assert not re.search(r"^\[(ps|worker)\d+\]", r.stderr, re.M), r.stderr
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.json"))
 
 
