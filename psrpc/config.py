@@ -162,6 +162,8 @@ class TrainConfig:
     """Seeds the model init, the synthetic data and the sample order."""
     device: str = MISSING
     """auto (CUDA when present), cpu or cuda."""
+    tf32: Optional[bool] = MISSING
+    """CUDA: TF32 in matmuls and cuDNN (true), neither (false), null: torch's default (cuDNN)."""
     log_every: int = MISSING
     """Global steps between progress lines and metrics.jsonl records."""
     warmup_steps: int = MISSING

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import assert_same_model, cli
+from tests.conftest import CPU, assert_same_model, cli, on_cpu
 
 pytestmark = pytest.mark.timeout(300)
 QUICK = ["train.steps=20", "train.log_every=10", "data.size=2048", "data.test_size=256"]
@@ -70,7 +70,7 @@ def test_busy_master_port_named(tmp_path):
 def test_world_size_mismatch_under_torchrun(tmp_path):
     """3 processes for P + W = 4: each rank says so before any RPC starts."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
-                        "-m", "psrpc", "cluster.num_workers=3"], cwd=tmp_path,
+                        "-m", "psrpc", "cluster.num_workers=3", CPU], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert ("WORLD_SIZE=3 but cluster.num_ps=1 + cluster.num_workers=3 = 4" in r.stderr), r.stderr
@@ -104,8 +104,8 @@ def test_torchrun_gives_the_same_model_as_the_local_launcher(tmp_path):
     local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
     assert local.returncode == 0, local.stderr
     tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
-                         "-m", "psrpc", *args], cwd=tmp_path, capture_output=True, text=True,
-                        timeout=180)
+                         "-m", "psrpc", *on_cpu(args)], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=180)
     assert tr.returncode == 0, tr.stderr
     # every rank agreed on one run directory (not one per rank's ${now}); only the chief wrote
     (run_dir,) = {p.parent.parent for p in (tmp_path / "outputs").rglob("*.log")}

@@ -17,7 +17,7 @@ from psrpc import comm, netif
 from psrpc.errors import ConfigError
 from psrpc.launch import free_port, local_interface
 from psrpc.topology import Topology
-from tests.conftest import compose
+from tests.conftest import CPU, compose
 
 pytestmark = pytest.mark.timeout(120)
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
@@ -54,7 +54,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "psrpc", "train.steps=1000000", "train.log_every=10",
-             "data.size=2048", "data.test_size=0", f"out_dir={tmp_path / 'out'}"],
+             "data.size=2048", "data.test_size=0", f"out_dir={tmp_path / 'out'}", CPU],
             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 90
