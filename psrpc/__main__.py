@@ -58,7 +58,8 @@ def main(dcfg: DictConfig) -> None:
         validate(cfg)
         check_model_parallel(cfg)
         out_dir = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
-        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg))
+        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg),
+                                 cfg.cluster.interface)
         if topo.rank is None:
             from psrpc.launch import launch
             from psrpc.process import setup_logging

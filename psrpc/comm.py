@@ -7,18 +7,22 @@ the workers.
 
 from __future__ import annotations
 
+import os
+import socket
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
-from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
+from urllib.parse import parse_qs, urlparse
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from psrpc.errors import PsrpcError
+
 # A function or method that returns a Future: the RPC thread is released while it waits
-# (a worker parked at the sync barrier holds no thread; DESIGN §8).
+# (a worker parked at the sync barrier holds no thread).
 async_execution = rpc.functions.async_execution
 RRef = rpc.RRef
 
@@ -26,34 +30,67 @@ _SCHEME = "psrpc"
 
 
 def _rendezvous(url: str, **kwargs):
-    """tcp:// rendezvous with our own timeout: init_rpc gives none, and a rank that never comes
-    would otherwise keep the others waiting for torch's default of 30 minutes."""
-    from torch.distributed.rendezvous import _tcp_rendezvous_handler
-
+    """init_rpc's rendezvous, as torch's tcp:// one but with our own timeout (init_rpc gives
+    none, and a rank that never comes would otherwise keep the others waiting for torch's
+    default of 30 minutes) and a store that listens on one address (torch's listens on every
+    interface, and whoever reaches a psrpc listener can make every rank unpickle its bytes)."""
     parsed = urlparse(url)
-    query = parse_qs(parsed.query)
-    timeout = timedelta(seconds=float(query.pop("timeout_s")[0]))
-    attempt = query.pop("attempt")[0]
-    rest = urlencode(query, doseq=True)
-    for store, rank, world_size in _tcp_rendezvous_handler(
-            urlunparse(parsed._replace(scheme="tcp", query=rest)), timeout=timeout):
-        # torchrun's agent store outlives a restart of the group: a fresh key space per attempt
-        yield dist.PrefixStore(f"psrpc/attempt-{attempt}", store), rank, world_size
+    query = {k: v[0] for k, v in parse_qs(parsed.query).items()}
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    timeout = timedelta(seconds=float(query["timeout_s"]))
+    if query["agent_store"] == "1" or rank != 0:  # torchrun's agent, or rank 0, hosts it
+        store = dist.TCPStore(parsed.hostname, parsed.port, world_size, False, timeout)
+    else:
+        listener = _bind(parsed.hostname, parsed.port)
+        store = dist.TCPStore(parsed.hostname, parsed.port, world_size, True, timeout,
+                              master_listen_fd=listener.detach())
+    # torchrun's agent store outlives a restart of the group: a fresh key space per attempt
+    yield dist.PrefixStore(f"psrpc/attempt-{query['attempt']}", store), rank, world_size
+    raise RuntimeError("psrpc's rendezvous runs once per init_rpc")  # as torch's tcp:// one
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to the address `host` resolves to (127.0.0.1 for the local launcher):
+    where every rank connects, and nowhere else."""
+    sock = None
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise PsrpcError(f"MASTER_ADDR={host!r} MASTER_PORT={port}: the rendezvous store cannot "
+                         f"listen there ({e.strerror or e}); MASTER_ADDR must be an address of "
+                         "this machine that the other ranks reach") from None
+    return sock
 
 
 def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_timeout_s: float,
          init_timeout_s: float, threads: int, transports: Optional[Sequence[str]],
-         attempt: int = 0) -> None:
+         attempt: int = 0, interface: Optional[str] = None, agent_store: bool = False) -> None:
     """Join the RPC group; rank and world size always explicit (a missing world_size silently
-    switches torch to dynamic membership)."""
+    switches torch to dynamic membership).
+
+    `interface`: the network interface to listen on (None: wherever the host name resolves).
+    `agent_store`: torchrun's agent hosts the store at addr:port; else rank 0 hosts it, on the
+    address `addr` resolves to."""
     try:
         dist.register_rendezvous_handler(_SCHEME, _rendezvous)
     except RuntimeError:  # registered by an earlier init in this process
         pass
+    if interface is not None:
+        # Read when TensorPipe (its uv transport and multiplexed uv channel) and the gloo group
+        # that init_rpc builds open their listeners, inside init_rpc.
+        os.environ["TP_SOCKET_IFNAME"] = interface
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    host = f"[{addr}]" if ":" in addr else addr  # an IPv6 literal in a URL
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=threads,
         rpc_timeout=rpc_timeout_s,
-        init_method=f"{_SCHEME}://{addr}:{port}?timeout_s={init_timeout_s}&attempt={attempt}",
+        init_method=f"{_SCHEME}://{host}:{port}?timeout_s={init_timeout_s}&attempt={attempt}"
+                    f"&agent_store={int(agent_store)}",
         _transports=list(transports) if transports else None,
     )
     with warnings.catch_warnings():
@@ -64,7 +101,7 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
 
 def shutdown(graceful: bool, timeout_s: float = 30.0) -> None:
     """Leave the group. graceful waits for every peer (only when all are known alive: with a
-    dead peer torch would wait forever, DESIGN §8)."""
+    dead peer torch's graceful shutdown would wait forever: it has no timeout)."""
     try:
         rpc.shutdown(graceful=graceful, timeout=timeout_s)
     except Exception:
@@ -145,5 +182,5 @@ def wait_all(futures: Sequence[Future]) -> list:
 
 
 def _t(timeout_s: Optional[float]) -> float:
-    # rpc's "use the default" sentinel; never 0, which now means "fail at once" (DESIGN §8).
+    # rpc's "use the default" sentinel; never 0, which now means "fail at once".
     return rpc.constants.UNSET_RPC_TIMEOUT if timeout_s is None else float(timeout_s)

@@ -7,6 +7,8 @@ or inconsistent with each other, naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +44,8 @@ class ClusterConfig:
     """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
     port: Optional[int] = MISSING
     """Local launcher's rendezvous port; null: MASTER_PORT if set, else a free one."""
+    interface: Optional[str] = MISSING
+    """NIC RPC listens on under torchrun; null: TP_SOCKET_IFNAME's, else the host name's."""
 
 
 @dataclass
@@ -158,6 +162,8 @@ class TrainConfig:
     """Seeds the model init, the synthetic data and the sample order."""
     device: str = MISSING
     """auto (CUDA when present), cpu or cuda."""
+    tf32: Optional[bool] = MISSING
+    """CUDA: TF32 in matmuls and cuDNN (true), neither (false), null: torch's default (cuDNN)."""
     log_every: int = MISSING
     """Global steps between progress lines and metrics.jsonl records."""
     warmup_steps: int = MISSING
@@ -248,11 +254,19 @@ def to_config(cfg: DictConfig) -> Config:
 
 
 WIRE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # update.wire_dtype
+# TensorPipe's transports in torch 2.x (its agent raises "Unknown transport" for any other name):
+# TCP via libuv, shared memory on one host, InfiniBand verbs (needs an IB device).
+TRANSPORTS = ("uv", "shm", "ibv")
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {allowed}")
+
+
+def _finite(x: float, least: float = 0.0) -> bool:
+    """A real number ≥ `least` (NaN fails every comparison; inf is no timeout or rate)."""
+    return math.isfinite(x) and x >= least
 
 
 def validate(cfg: Config) -> None:
@@ -267,9 +281,17 @@ def validate(cfg: Config) -> None:
            c.worker_threads, "must be ≥ 1 or null (automatic)")
     _check(c.ps_threads >= 1, "cluster.ps_threads", c.ps_threads, "must be ≥ 1")
     _check(c.rpc_threads >= 2, "cluster.rpc_threads", c.rpc_threads, "must be ≥ 2")
-    _check(c.init_timeout_s > 0, "cluster.init_timeout_s", c.init_timeout_s, "must be > 0")
+    _check(_finite(c.init_timeout_s) and c.init_timeout_s > 0, "cluster.init_timeout_s",
+           c.init_timeout_s, "must be a finite number of seconds > 0")
     _check(c.port is None or 0 < c.port < 65536, "cluster.port", c.port,
            "must be a TCP port in 1..65535, or null")
+    _check(c.transports is None or (c.transports and set(c.transports) <= set(TRANSPORTS)),
+           "cluster.transports", c.transports,
+           f"must list TensorPipe transports from {list(TRANSPORTS)}, or be null (its default)")
+    if c.interface is not None:
+        from psrpc import netif
+
+        netif.check_interface(c.interface, "cluster.interface")
     if p.name == "model":
         _check(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
         _check(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,
@@ -277,8 +299,10 @@ def validate(cfg: Config) -> None:
         _check(p.microbatches >= 1 and t.batch_size % p.microbatches == 0,
                "parallel.microbatches", p.microbatches,
                f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
-    _check(u.timeout_s > 0, "update.timeout_s", u.timeout_s, "must be > 0 seconds")
-    _check(c.rpc_timeout_s is None or c.rpc_timeout_s > u.timeout_s, "cluster.rpc_timeout_s",
+    _check(_finite(u.timeout_s) and u.timeout_s > 0, "update.timeout_s", u.timeout_s,
+           "must be a finite number of seconds > 0 (every wait has a timeout)")
+    _check(c.rpc_timeout_s is None or (_finite(c.rpc_timeout_s) and c.rpc_timeout_s > u.timeout_s),
+           "cluster.rpc_timeout_s",
            c.rpc_timeout_s, f"must exceed update.timeout_s={u.timeout_s} (calls wait at the "
            "barrier that long), or be null")
     _check(u.wire_dtype in WIRE_DTYPE_NAMES, "update.wire_dtype", u.wire_dtype,
@@ -299,23 +323,90 @@ def validate(cfg: Config) -> None:
     _check(t.eval_batch_size >= 1, "train.eval_batch_size", t.eval_batch_size, "must be ≥ 1")
     _check(t.device in ("auto", "cpu", "cuda"), "train.device", t.device,
            "must be auto, cpu or cuda")
+    if t.device == "cuda":
+        import torch
+
+        _check(torch.cuda.is_available(), "train.device", t.device,
+               "CUDA is not available on this machine; use auto (CUDA when present) or cpu")
     ck = cfg.checkpoint
     _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be ≥ 0")
-    _check(ck.every_s >= 0, "checkpoint.every_s", ck.every_s, "must be ≥ 0")
+    _check(_finite(ck.every_s), "checkpoint.every_s", ck.every_s, "must be a finite number ≥ 0")
     _check(ck.keep >= 1, "checkpoint.keep", ck.keep, "must be ≥ 1")
+    if not ck.dir:  # nothing would be saved: say so rather than train without checkpoints
+        _check(ck.every_steps == 0, "checkpoint.every_steps", ck.every_steps,
+               "needs checkpoint.dir (where to save), or 0")
+        _check(ck.every_s == 0, "checkpoint.every_s", ck.every_s,
+               "needs checkpoint.dir (where to save), or 0")
     f = cfg.fault
     _check(f.slow_worker is None or 0 <= f.slow_worker < c.num_workers, "fault.slow_worker",
            f.slow_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
-    _check(f.slow_s >= 0, "fault.slow_s", f.slow_s, "must be ≥ 0 seconds")
+    _check(_finite(f.slow_s), "fault.slow_s", f.slow_s, "must be a finite number of seconds ≥ 0")
     _check(f.crash_role in (None, "ps", "worker"), "fault.crash_role", f.crash_role,
            "must be ps, worker or null")
     if f.crash_role is not None:
         n = c.num_ps if f.crash_role == "ps" else c.num_workers
         _check(0 <= f.crash_index < n, "fault.crash_index", f.crash_index,
                f"must be a {f.crash_role} index in 0..{n - 1}")
+        _check(0 <= f.crash_at_step < t.steps, "fault.crash_at_step", f.crash_at_step,
+               f"must be a step in 0..{t.steps - 1} (train.steps={t.steps}), or it never happens")
     _check(f.nan_worker is None or 0 <= f.nan_worker < c.num_workers, "fault.nan_worker",
            f.nan_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
+    if f.nan_worker is not None:
+        _check(0 <= f.nan_at_step < t.steps, "fault.nan_at_step", f.nan_at_step,
+               f"must be a step in 0..{t.steps - 1} (train.steps={t.steps}), or it never happens")
+    _validate_optim(cfg.optim)
+    _validate_hooks(cfg.hooks)
     _validate_data(cfg.data)
+
+
+def _validate_optim(o) -> None:
+    """What torch.optim would refuse on the PS, and values that can only diverge or mislead."""
+    _check(_finite(o.lr), "optim.lr", o.lr, "must be a finite number ≥ 0")
+    _check(_finite(o.weight_decay), "optim.weight_decay", o.weight_decay,
+           "must be a finite number ≥ 0")
+    if o.name == "sgd":
+        # momentum ≥ 1 never forgets a gradient: the step grows without bound
+        _check(_finite(o.momentum) and o.momentum < 1, "optim.momentum", o.momentum,
+               "must be in [0, 1)")
+        # torch's SGD: Nesterov needs momentum > 0 and no dampening (psrpc has no dampening)
+        _check(not o.nesterov or o.momentum > 0, "optim.nesterov", o.nesterov,
+               f"needs optim.momentum > 0 (it is {o.momentum})")
+    elif o.name == "adam":
+        _check(len(o.betas) == 2 and all(_finite(b) and b < 1 for b in o.betas), "optim.betas",
+               list(o.betas), "must be two numbers in [0, 1)")
+        _check(_finite(o.eps), "optim.eps", o.eps, "must be a finite number ≥ 0")
+
+
+_HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}
+
+
+def _validate_hooks(hooks: list) -> None:
+    """Every hook's `_target_` imports and takes the given arguments; nothing is built here (the
+    chief builds them, after the cluster is up)."""
+    from hydra._internal.utils import _locate  # what hydra.utils.instantiate imports with
+
+    for i, spec in enumerate(hooks):
+        key = f"hooks[{i}]"
+        target = spec.get("_target_") if isinstance(spec, dict) else None
+        _check(isinstance(target, str), key, spec,
+               "must be a mapping with _target_: an import path, e.g. psrpc.hooks.StopAtStep")
+        try:
+            obj = _locate(target)
+        except Exception as e:  # ImportError from the module's own failure, or a bad path
+            cause = e.__cause__ or e
+            raise ConfigError(f"{key}._target_={target!r}: cannot import it "
+                              f"({type(cause).__name__}: {cause})") from None
+        _check(callable(obj), f"{key}._target_", target, "must name a class or a function")
+        try:
+            signature = inspect.signature(obj)
+        except (TypeError, ValueError):  # a builtin without one: the chief will tell
+            continue
+        kwargs = {k: v for k, v in spec.items() if k not in _HYDRA_KEYS}
+        bind = signature.bind_partial if spec.get("_partial_") else signature.bind
+        try:
+            bind(*spec.get("_args_", []), **kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{key}: {target}{signature} does not take {kwargs} ({e})") from None
 
 
 def _validate_data(d) -> None:

@@ -1,11 +1,12 @@
-"""The local launcher: `python -m psrpc` runs a whole cluster (P + W fresh processes) on 127.0.0.1.
+"""The local launcher: `python -m psrpc` runs a whole cluster (P + W fresh processes) on 127.0.0.1,
+every listener on loopback.
 
 Processes come from a forkserver that has imported torch once (a spawned interpreter pays 4-6 s
 for `import torch` on 2 cores; a fork of the clean server pays none), so every run and every
 multirun job still gets fresh processes with no RPC state. The parent waits, and:
 - a rank that fails (an exception, or a PS or the chief dying) brings the run down at once:
   every child is terminated and the failing rank's error is raised;
-- a non-chief worker killed by a signal is lost, not fatal: the others go on (DESIGN §7);
+- a non-chief worker killed by a signal is lost, not fatal: the others go on;
 - SIGINT/SIGTERM to the parent terminate every child; no process outlives the launcher.
 """
 
@@ -24,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from psrpc import env_defaults
+from psrpc import env_defaults, netif
 from psrpc.config import Config, stages
 from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
@@ -64,6 +65,18 @@ def choose_port(cfg: Config) -> int:
         check_port("127.0.0.1", port, "MASTER_PORT")
         return port
     return free_port()
+
+
+def local_interface(cfg: Config) -> str:
+    """Every rank is on this machine: RPC listens on loopback only, whatever TP_SOCKET_IFNAME or
+    GLOO_SOCKET_IFNAME say (they name the interface for torchrun runs)."""
+    loopback = netif.loopback_interface()
+    named = cfg.cluster.interface
+    if named is not None and named != loopback:
+        raise ConfigError(f"cluster.interface={named!r}: the local launcher runs every rank on "
+                          f"this machine and listens on loopback ({loopback}) only; name an "
+                          "interface for torchrun or many-node runs")
+    return loopback
 
 
 def _die_with_parent() -> None:
@@ -113,7 +126,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     pickled by reference), e.g. to push known gradients in a test."""
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg),
-                    stages=stages(cfg))
+                    stages=stages(cfg), interface=local_interface(cfg))
     ctx = process_context()
     errors = Path(tempfile.mkdtemp(prefix="psrpc-"))  # each rank's one-line error
     procs = {}

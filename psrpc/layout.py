@@ -2,7 +2,8 @@
 
 A tensor larger than `max_shard_bytes` is first cut along dim 0 into pieces of at most that size.
 Then, with `bucket_bytes = 0`, each PS holds one shard and whole tensors (or pieces) are placed
-greedily by bytes: the emptiest PS takes the next-largest. With `bucket_bytes > 0` (the fast
+greedily by bytes: the emptiest PS takes the next-largest; with more PS than pieces, the PS left
+over hold nothing (no shard: every shard has elements). With `bucket_bytes > 0` (the fast
 path, as DDP's buckets) consecutive tensors in reverse model order, the order backward produces
 their gradients, are grouped into buckets of about that size (at least one per PS); each bucket
 is a shard of its own, and buckets are placed greedily by bytes the same way. A worker pushes a
@@ -84,10 +85,10 @@ class Layout:
         if bucket_bytes > 0:  # shard = bucket, in backward order
             shard_groups = [[gi] for gi in range(len(groups))]
             shard_ps = [ps_of_group[gi] for gi in range(len(groups))]
-        else:  # shard = PS, holding its tensors in placement order
-            shard_groups = [[gi for gi in placement if ps_of_group[gi] == k]
-                            for k in range(num_ps)]
-            shard_ps = list(range(num_ps))
+        else:  # shard = PS, holding its tensors in placement order; a PS with none holds no
+            # shard (more PS than tensors): an empty shard would never be pushed
+            shard_ps = [k for k in range(num_ps) if k in ps_of_group.values()]
+            shard_groups = [[gi for gi in placement if ps_of_group[gi] == k] for k in shard_ps]
         pieces, numels = [], []
         for shard, members in enumerate(shard_groups):
             offset = 0

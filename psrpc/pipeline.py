@@ -14,8 +14,8 @@ Worker i holds stage i % S of replica i // S. The replica's leader (its stage-0 
   (`dist_autograd.get_gradients`; one per micro-batch, summed in micro-batch order so that a
   run is reproducible) into its flat per-shard buffers and `push_pull`s them to its own shards,
   through the same sync/async update rules as data parallelism.
-Each stage's parameters have their own shards on the PS (shard s·P + k on ps{k}), aggregated over
-the R replicas.
+Each stage's parameters have their own shards on the PS (numbered stage by stage; the stage's
+layout says which PS holds each), aggregated over the R replicas.
 """
 
 from __future__ import annotations

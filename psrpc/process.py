@@ -76,6 +76,16 @@ def set_threads(cfg: Config, topo: Topology) -> int:
     return n
 
 
+def set_tf32(tf32) -> None:
+    """train.tf32 for the CUDA kernels of this process: TensorFloat-32 (10-bit mantissa, several
+    times faster on Ampere and later) in matmuls and cuDNN convolutions, or neither (full
+    float32, what a comparison with CPU workers needs); None keeps torch's defaults (cuDNN
+    convolutions in TF32, matmuls not). Nothing here touches CUDA itself."""
+    if tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def _on_terminate(signum, frame) -> None:
     """First SIGTERM/SIGINT: the chief ends training at the next step with a final checkpoint,
     the others wait for its stop; a second one exits at once."""
@@ -99,11 +109,12 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
     setup_logging(topo.name, out_dir)
     install_signal_handlers()
     set_threads(cfg, topo)
+    set_tf32(cfg.train.tf32)
     torch.manual_seed(cfg.train.seed)
     comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
               rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
               threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
-              attempt=topo.restart_count)
+              attempt=topo.restart_count, interface=topo.interface, agent_store=topo.agent_store)
     graceful = False
     try:
         if topo.is_chief:

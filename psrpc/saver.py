@@ -51,7 +51,8 @@ class CheckpointSaver(Hook):
 
     def _commit(self, step: int, futures) -> bool:
         infos = [f.wait() for f in futures]
-        missing = [f"ps{k}" for k, info in enumerate(infos) if info is None]
+        missing = [f"ps{self.layout.shard_ps[k]}/shard{k}"  # shard k is not always on ps{k}
+                   for k, info in enumerate(infos) if info is None]
         if missing:
             log.info("checkpoint step %d not made (%s did not save it); keeping the last one",
                      step, ", ".join(missing))

@@ -11,7 +11,13 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from psrpc import netif
 from psrpc.errors import ConfigError
+
+# Where a user names the interface RPC listens on, besides cluster.interface: TensorPipe's and
+# gloo's own variables (init_rpc builds a gloo group too; both listen).
+INTERFACE_ENV = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -27,6 +33,10 @@ class Topology:
     """torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt of the group."""
     stages: int = 1
     """Pipeline stages per replica (model parallel); 1 in data-parallel mode."""
+    interface: Optional[str] = None
+    """Network interface this rank's RPC listens on; None: wherever the host name resolves."""
+    agent_store: bool = False
+    """torchrun's agent hosts the rendezvous store at MASTER_ADDR:MASTER_PORT (no rank does)."""
 
     @property
     def world_size(self) -> int:
@@ -34,8 +44,13 @@ class Topology:
 
     @classmethod
     def from_env(cls, num_ps: int, num_workers: int, stages: int = 1,
+                 interface: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> "Topology":
-        """Read RANK/WORLD_SIZE/... (set by torchrun); without them this is the launcher's parent."""
+        """Read RANK/WORLD_SIZE/... (set by torchrun); without them this is the launcher's parent
+        (whose ranks listen on loopback whatever the environment says, see `launch`).
+
+        The interface to listen on is `interface` (cluster.interface), else the one that
+        TP_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names."""
         env = os.environ if env is None else env
         port = env.get("MASTER_PORT")
         base = dict(num_ps=num_ps, num_workers=num_workers, stages=stages,
@@ -50,14 +65,16 @@ class Topology:
                 f"{num_workers} = {num_ps + num_workers}: launch exactly P + W processes "
                 f"(torchrun --nproc-per-node × --nnodes = {num_ps + num_workers}), or change "
                 f"cluster.num_ps / cluster.num_workers")
-        return cls(**base, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
+        return cls(**base, interface=_interface(interface, env),
+                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                   rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def with_rank(self, rank: int) -> "Topology":
         """This topology as seen by one process the local launcher starts (one node)."""
         return Topology(self.num_ps, self.num_workers, rank, self.master_addr, self.master_port,
-                        rank, self.world_size, stages=self.stages)
+                        rank, self.world_size, stages=self.stages, interface=self.interface)
 
     # -- questions the rest of psrpc asks -----------------------------------------------------
     def role_of(self, rank: int) -> tuple[str, int]:
@@ -143,3 +160,19 @@ class Topology:
         first = self.rank - self.local_rank
         last = first + self.local_world_size
         return max(1, sum(1 for r in range(first, last) if r >= self.num_ps))
+
+
+def _interface(configured: Optional[str], env: Mapping[str, str]) -> Optional[str]:
+    """The one interface a rank listens on: cluster.interface or the environment's, checked to
+    exist. psrpc points TensorPipe and gloo at it, so names that disagree are an error."""
+    named = {"cluster.interface": [configured]} if configured is not None else {}
+    named.update({key: [n for n in env[key].split(",") if n]  # gloo takes a list
+                  for key in INTERFACE_ENV if env.get(key)})
+    for key, names in named.items():
+        for n in names:
+            netif.check_interface(n, key)
+    if len({tuple(names) for names in named.values()}) > 1:
+        said = ", ".join(f"{k}={','.join(v)!r}" for k, v in named.items())
+        raise ConfigError(f"{said}: name one interface (RPC listens through TensorPipe and "
+                          "gloo; psrpc points both at it)")
+    return next(iter(named.values()))[0] if named else None

@@ -36,13 +36,13 @@ class Plan:
     """What the chief hands every worker once the shards exist."""
 
     layouts: list[Layout]  # per pipeline stage (data parallel: one)
-    shards: list[list]  # shards[s][k]: RRef of stage s's shard on ps{k}
+    shards: list[list]  # shards[s][k]: RRef of stage s's shard k (on ps{layouts[s].shard_ps[k]})
     cuts: list[int]  # index of each stage's first layer (data parallel: [0])
     restored_from_step: Optional[int] = None
 
     @property
     def layout(self) -> Layout:
-        """Every shard of every stage in one layout (shard s·P + k): final model, checkpoints."""
+        """Every shard of every stage in one layout, stage by stage: final model, checkpoints."""
         return Layout.concat(self.layouts)
 
     @property

@@ -20,17 +20,28 @@ MNIST_ROOT = ROOT.parent / "shared" / "data"
 # Small and quick: the CPU suite runs many clusters on 2 cores.
 FAST = ["train.steps=20", "train.batch_size=16", "train.log_every=10", "train.warmup_steps=2",
         "data.size=2048", "data.test_size=256", "update.timeout_s=30"]
+# The suite runs on CPU even where CUDA is (train.device=auto would take it): its comparisons are
+# bit-exact or nearly, which only holds for the same kernels. A test that wants CUDA says
+# train.device=cuda (test_gpu.py).
+CPU = "train.device=cpu"
+
+
+def on_cpu(overrides) -> list[str]:
+    """`overrides`, plus train.device=cpu unless they choose a device."""
+    overrides = list(overrides)
+    return overrides if any(o.startswith("train.device=") for o in overrides) else overrides + [CPU]
 
 
 def compose(overrides=()):
-    """The typed Config that `python -m psrpc <overrides>` would run."""
+    """The typed Config that `python -m psrpc <overrides>` would run (on CPU unless the
+    overrides choose a device)."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from psrpc.config import register_configs, resolve_paths, to_config, validate
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = to_config(hydra_compose("config", overrides=list(overrides)))
+        cfg = to_config(hydra_compose("config", overrides=on_cpu(overrides)))
     resolve_paths(cfg, str(ROOT))
     validate(cfg)
     from psrpc.pipeline import check_model_parallel
@@ -72,9 +83,10 @@ def models_differ(a: dict, b: dict, atol=1e-3) -> bool:
 
 
 def cli(args, cwd: Path, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
-    """`python -m psrpc <args>` in a subprocess, as a user would type it."""
+    """`python -m psrpc <args>` in a subprocess, as a user would type it (plus train.device=cpu
+    unless the args choose a device)."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "psrpc", *args], cwd=cwd, env=full_env,
+    return subprocess.run([sys.executable, "-m", "psrpc", *on_cpu(args)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 

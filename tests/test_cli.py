@@ -2,6 +2,7 @@
 ending in one clear message (non-zero exit, no traceback)."""
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import assert_same_model, cli
+from tests.conftest import CPU, assert_same_model, cli, on_cpu
 
 pytestmark = pytest.mark.timeout(300)
 QUICK = ["train.steps=20", "train.log_every=10", "data.size=2048", "data.test_size=256"]
@@ -40,9 +41,20 @@ def _clean_error(result, *needles):
     (["data=mnist", "data.root=/no/such/dir"],
      ["data.root='/no/such/dir'", "/no/such/dir/MNIST/raw/train-images-idx3-ubyte",
       "data.download=true"]),
+    # the rest of validate's checks are unit tests in test_config.py
+    (["optim.lr=-1"], ["optim.lr=-1.0", "must be a finite number ≥ 0"]),
+    (["hooks=[{_target_: no.such.Hook}]"],
+     ["hooks[0]._target_='no.such.Hook'", "cannot import it", "No module named 'no'"]),
+    (["cluster.transports=[uv,tcp]"],
+     ["cluster.transports=['uv', 'tcp']", "['uv', 'shm', 'ibv']"]),
+    pytest.param(["train.device=cuda"], ["train.device='cuda'", "CUDA is not available"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_config_one_clear_message(tmp_path, args, needles):
-    _clean_error(cli(args, tmp_path, timeout=60), *needles)
+    r = cli(args, tmp_path, timeout=60)
+    _clean_error(r, *needles)
+    # caught before any rank started: every line a rank logs starts with its name
+    assert not re.search(r"^\[(ps|worker)\d+\]", r.stderr, re.M), r.stderr
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.json"))
 
 
@@ -58,7 +70,7 @@ def test_busy_master_port_named(tmp_path):
 def test_world_size_mismatch_under_torchrun(tmp_path):
     """3 processes for P + W = 4: each rank says so before any RPC starts."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
-                        "-m", "psrpc", "cluster.num_workers=3"], cwd=tmp_path,
+                        "-m", "psrpc", "cluster.num_workers=3", CPU], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert ("WORLD_SIZE=3 but cluster.num_ps=1 + cluster.num_workers=3 = 4" in r.stderr), r.stderr
@@ -92,8 +104,8 @@ def test_torchrun_gives_the_same_model_as_the_local_launcher(tmp_path):
     local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
     assert local.returncode == 0, local.stderr
     tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
-                         "-m", "psrpc", *args], cwd=tmp_path, capture_output=True, text=True,
-                        timeout=180)
+                         "-m", "psrpc", *on_cpu(args)], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=180)
     assert tr.returncode == 0, tr.stderr
     # every rank agreed on one run directory (not one per rank's ${now}); only the chief wrote
     (run_dir,) = {p.parent.parent for p in (tmp_path / "outputs").rglob("*.log")}

@@ -39,6 +39,16 @@ def test_more_ps_and_split_tensors_equal_one_ps(tmp_path, reference, ps):
     assert_equal_model(state, reference[1])  # elementwise optimizers: sharding changes no bit
 
 
+def test_more_ps_than_tensors_equals_one_ps(tmp_path, reference):
+    """mlp has 6 tensors; with one shard per PS, a 7th PS has nothing to hold (and holds no
+    shard) and the run still equals 1 PS."""
+    summary, state = run_cluster(tmp_path, ["cluster.num_ps=7", "cluster.bucket_bytes=0",
+                                            "cluster.num_workers=1", "train.batch_size=32"])
+    assert summary["num_ps"] == 7 and len(summary["shards"]) == 6
+    assert all(s["version"] == 20 for s in summary["shards"])
+    assert_same_model(state, reference[1])
+
+
 def test_async_w1_equals_sync_w1(tmp_path, reference):
     summary, state = run_cluster(tmp_path, ["update=async", "cluster.num_workers=1",
                                             "train.batch_size=32"])

@@ -54,3 +54,17 @@ def test_split_join_round_trip_and_dict_form():
 
 def test_plan_is_deterministic():
     assert Layout.plan(SHAPES, 3, 1000) == Layout.plan(dict(SHAPES), 3, 1000)
+
+
+def test_more_ps_than_tensors_leaves_the_extra_ps_without_a_shard():
+    """5 tensors on 8 PS: 5 shards, none empty (an empty shard is never pushed: the worker's
+    hooks fire per parameter), each on its own PS; split and join still round-trip."""
+    layout = Layout.plan(SHAPES, 8, max_shard_bytes=10**9)
+    assert layout.num_shards == len(SHAPES) and all(n > 0 for n in layout.shard_numel)
+    assert sorted(layout.shard_ps) == list(range(len(SHAPES)))
+    tensors = {n: torch.randn(s) for n, s in SHAPES.items()}
+    back = layout.join(layout.split(tensors))
+    assert all(torch.equal(back[n], tensors[n]) for n in SHAPES)
+    # the same with pieces: 3 pieces of c.weight + 4 others = 7 shards on 9 PS
+    split = Layout.plan(SHAPES, 9, max_shard_bytes=4000)
+    assert split.num_shards == 7 and all(n > 0 for n in split.shard_numel)

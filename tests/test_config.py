@@ -1,0 +1,58 @@
+"""validate: every bad value is refused before any process starts, naming the key, the value and
+what is allowed (the command line's one-line error is checked in test_cli.py)."""
+
+import pytest
+
+from psrpc.errors import ConfigError
+from tests.conftest import compose
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lr=-0.1"], "optim.lr=-0.1: must be a finite number ≥ 0"),
+    (["optim.lr=nan"], "optim.lr=nan: must be a finite number ≥ 0"),
+    (["optim.momentum=-0.5"], "optim.momentum=-0.5: must be in [0, 1)"),
+    (["optim.momentum=1.0"], "optim.momentum=1.0: must be in [0, 1)"),
+    (["optim.weight_decay=-1e-4"], "optim.weight_decay=-0.0001: must be a finite number ≥ 0"),
+    (["optim.momentum=0", "optim.nesterov=true"],
+     "optim.nesterov=True: needs optim.momentum > 0 (it is 0.0)"),
+    (["optim=adam", "optim.betas=[0.9,1.0]"],
+     "optim.betas=[0.9, 1.0]: must be two numbers in [0, 1)"),
+    (["optim=adam", "optim.betas=[-0.1,0.999]"], "optim.betas=[-0.1, 0.999]: must be two numbers"),
+    (["optim=adam", "optim.betas=[0.9]"], "optim.betas=[0.9]: must be two numbers in [0, 1)"),
+    (["optim=adam", "optim.eps=-1e-8"], "optim.eps=-1e-08: must be a finite number ≥ 0"),
+    (["optim=adam", "optim.weight_decay=-1"], "optim.weight_decay=-1.0: must be a finite"),
+    (["hooks=[{_target_: psrpc.hooks.NoSuchHook}]"],
+     "hooks[0]._target_='psrpc.hooks.NoSuchHook': cannot import it"),
+    (["hooks=[{_target_: psrpc.hooks}]"], "hooks[0]._target_='psrpc.hooks': must name a class"),
+    (["hooks=[{_target_: psrpc.hooks.StopAtStep, last_stpe: 3}]"],
+     "hooks[0]: psrpc.hooks.StopAtStep(last_step: 'int') does not take {'last_stpe': 3}"),
+    (["hooks=[7]"], "hooks[0]=7: must be a mapping with _target_"),
+    (["cluster.transports=[]"], "cluster.transports=[]: must list TensorPipe transports"),
+    (["update.timeout_s=inf"], "update.timeout_s=inf: must be a finite number of seconds > 0"),
+    (["cluster.init_timeout_s=0"], "cluster.init_timeout_s=0.0: must be a finite number"),
+    (["cluster.rpc_timeout_s=inf"], "cluster.rpc_timeout_s=inf: must exceed update.timeout_s"),
+    (["checkpoint.every_steps=10"], "checkpoint.every_steps=10: needs checkpoint.dir"),
+    (["checkpoint.every_s=5"], "checkpoint.every_s=5.0: needs checkpoint.dir"),
+    (["fault.nan_worker=0", "fault.nan_at_step=500"],
+     "fault.nan_at_step=500: must be a step in 0..499 (train.steps=500)"),
+    (["fault.crash_role=ps", "fault.crash_at_step=-1"], "fault.crash_at_step=-1: must be a step"),
+    (["fault.slow_worker=0", "fault.slow_s=-1"], "fault.slow_s=-1.0: must be a finite number"),
+])
+def test_bad_value_names_key_value_and_what_is_allowed(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optim.lr=0"],  # allowed: a run that only measures
+    ["optim.nesterov=true"],  # momentum 0.9 by default
+    ["optim=adam", "optim.betas=[0.0,0.0]"],
+    ["hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 3}]"],
+    ["hooks=[{_target_: psrpc.hooks.StopAtStep, _partial_: true}]"],
+    ["cluster.transports=[uv,shm]"],
+    ["cluster.transports=null"],
+    ["checkpoint.dir=ck", "checkpoint.every_steps=10", "checkpoint.every_s=5"],
+])
+def test_good_values_pass(overrides):
+    compose(overrides)
