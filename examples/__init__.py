@@ -1,0 +1,1 @@
+"""Examples of bringing your own model, data, loss and metric to psrpc (see examples/README.md)."""
