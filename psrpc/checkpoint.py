@@ -37,6 +37,30 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step}"
 
 
+def _fsync_dir(folder: Path) -> None:
+    """A rename or a new entry survives a power cut only once its directory is synced too
+    (POSIX: fsync on a file covers its data, not the directory entry pointing at it)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(folder: Path) -> None:
+    """mkdir -p, each new folder made durable in its parent."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:  # another PS made it first
+            continue
+        _fsync_dir(new.parent)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -44,13 +68,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 # -- PS side ---------------------------------------------------------------------------------
 def save_shard(root: Path, state: dict) -> dict:
     """Write one shard's state (already a snapshot); returns what the manifest records."""
     folder = step_dir(root, state["version"])
-    folder.mkdir(parents=True, exist_ok=True)
+    _make_dirs(folder)
     buf = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buf)
     data = buf.getvalue()

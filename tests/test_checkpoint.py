@@ -1,6 +1,9 @@
 """Checkpoint files, the manifest commit point, corrupt-file handling and re-sharding (no RPC)."""
 
 import logging
+import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +43,37 @@ def test_shards_save_at_every_steps_and_manifest_commits(tmp_path):
     r = checkpoint.find_latest(str(tmp_path))
     assert r.step == 6 and len(r.shards) == 2
     assert "momentum_buffer" in r.shards[0]["optimizer"]["state"][0]
+
+
+def test_every_rename_and_new_folder_is_made_durable_in_its_folder(tmp_path, monkeypatch):
+    """fsync on a file does not cover its name: after each rename (shard files, manifest) and
+    each new step folder, the folder holding the new name must be synced too, by that thread
+    before it does anything else."""
+    events = []  # (thread, what, path), in order
+    real_fsync, real_replace, real_mkdir = os.fsync, os.replace, Path.mkdir
+
+    def fsync(fd):
+        events.append((threading.get_ident(), "fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        events.append((threading.get_ident(), "new name in", str(Path(dst).parent)))
+
+    def mkdir(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        events.append((threading.get_ident(), "new name in", str(self.parent)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    _saved_run(tmp_path, 2, steps=3, every=3)
+    created = [i for i, e in enumerate(events) if e[1] == "new name in"]
+    assert len(created) >= 4  # step-3/, 2 shard files, the manifest
+    for i in created:
+        thread, _, folder = events[i]
+        after = next(e for e in events[i + 1:] if e[0] == thread)
+        assert after[1:] == ("fsync", folder), (events[i], after)
 
 
 def test_uncommitted_step_skipped_with_warning_naming_the_file(tmp_path, caplog):
