@@ -26,11 +26,11 @@ import torch
 
 from psrpc.errors import PsrpcError
 from psrpc.layout import Layout
+from psrpc.manifest import FORMAT, manifest_problem, shard_file, shard_state_problem
 
 log = logging.getLogger("psrpc")
-FORMAT = "psrpc-checkpoint-1"
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step-(\d+)$")
+_STEP_DIR = re.compile(r"step-(0|[1-9]\d*)$")  # step-N exactly as step_dir names it
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -79,7 +79,7 @@ def save_shard(root: Path, state: dict) -> dict:
     buf = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buf)
     data = buf.getvalue()
-    name = f"shard-{state['shard']}.pt"
+    name = shard_file(state["shard"])
     _write_atomic(folder / name, data)
     return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -120,35 +120,43 @@ class Restored:
     manifest: dict
 
 
-def _load_step(folder: Path) -> Restored:
-    """Load and verify one step; raises ValueError naming the bad file."""
+def _load_step(step: int, folder: Path) -> Restored:
+    """Load and verify one step; raises ValueError naming the bad file and what is wrong."""
     mpath = folder / MANIFEST
     if not mpath.exists():
         raise ValueError(f"{mpath} is missing (the checkpoint was never committed)")
     try:
-        manifest = json.loads(mpath.read_text())
-        layout = Layout.from_dict(manifest["layout"])
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        manifest = json.loads(mpath.read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"{mpath} is unreadable ({e})") from None
-    shards = []
-    for k, entry in enumerate(files):
+    problem, layout = manifest_problem(manifest, step)
+    if problem:
+        raise ValueError(f"{mpath} is malformed: {problem}")
+    shards: list[dict] = []
+    for k, entry in enumerate(manifest["files"]):
         path = folder / entry["file"]
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise ValueError(f"{path} is unreadable ({e.strerror})") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise ValueError(f"{path} is truncated or corrupt ({len(data)} bytes, manifest says "
-                             f"{entry['bytes']})")
-        try:
-            state = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as e:
-            raise ValueError(f"{path} is unreadable ({type(e).__name__})") from None
-        if state.get("shard") != k or state["params"].numel() != layout.shard_numel[k]:
-            raise ValueError(f"{path} does not match the manifest's layout")
+        state = _load_file(path, entry)
+        keys = set(shards[0]["optimizer"]["state"].get(0, {})) if shards else None
+        problem = shard_state_problem(state, k, step, layout.shard_numel[k], keys)
+        if problem:
+            raise ValueError(f"{path} does not match {mpath}: {problem}")
         shards.append(state)
-    return Restored(manifest["step"], layout, shards, manifest)
+    return Restored(step, layout, shards, manifest)
+
+
+def _load_file(path: Path, entry: dict):
+    """One file of a step, checked against its manifest entry, loaded with weights_only."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path} is unreadable ({e.strerror})") from None
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError(f"{path} is truncated or corrupt ({len(data)} bytes, manifest says "
+                         f"{entry['bytes']})")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__})") from None
 
 
 def find_latest(root: Optional[str]) -> Optional[Restored]:
@@ -157,7 +165,7 @@ def find_latest(root: Optional[str]) -> Optional[Restored]:
         return None
     for step, folder in steps_on_disk(Path(root)):
         try:
-            return _load_step(folder)
+            return _load_step(step, folder)
         except ValueError as e:
             log.warning("checkpoint step %d skipped: %s", step, e)
     return None

@@ -1,5 +1,7 @@
 """Checkpoint files, the manifest commit point, corrupt-file handling and re-sharding (no RPC)."""
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -97,6 +99,102 @@ def test_damaged_shard_file_skipped_older_checkpoint_used(tmp_path, caplog, dama
     with caplog.at_level(logging.WARNING):
         assert checkpoint.find_latest(str(tmp_path)).step == 3
     assert str(f) in caplog.text
+
+
+def _set(key, value):
+    def change(m):
+        m[key] = value
+    return change
+
+
+def _set_entry(k, key, value):
+    def change(m):
+        m["files"][k][key] = value
+    return change
+
+
+def _set_piece(key, value):
+    def change(m):
+        m["layout"]["pieces"][0][key] = value
+    return change
+
+
+MALFORMED = {  # name -> a change to step-6's manifest (dict), or its raw bytes
+    "not json": b"{step: 6",
+    "not utf-8": b"\xff\xfe\x00{",
+    "a list": b"[]",
+    **{f"no {key}": (lambda key: lambda m: m.pop(key))(key)
+       for key in ("format", "step", "num_shards", "layout", "files")},
+    "other format": _set("format", "psrpc-checkpoint-0"),
+    "step of another folder": _set("step", 5),
+    "step as a string": _set("step", "6"),
+    "step as a bool": _set("step", True),
+    "num_shards 0": _set("num_shards", 0),
+    "num_shards as a float": _set("num_shards", 2.0),
+    "files not a list": _set("files", {"0": "shard-0.pt"}),
+    "one file too few": lambda m: m["files"].pop(),
+    "one file too many": lambda m: m["files"].append(dict(m["files"][0])),
+    "files out of order": lambda m: m["files"].reverse(),
+    "entry not an object": lambda m: m["files"].__setitem__(1, "shard-1.pt"),
+    "entry without sha256": lambda m: m["files"][0].pop("sha256"),
+    "file ../x": _set_entry(0, "file", "../step-3/shard-0.pt"),
+    "file /etc/x": _set_entry(0, "file", "/etc/passwd"),
+    "file a/b": _set_entry(0, "file", "sub/shard-0.pt"),
+    "file name not a string": _set_entry(0, "file", 0),
+    "negative bytes": _set_entry(0, "bytes", -1),
+    "bytes as a string": _set_entry(0, "bytes", "100"),
+    "sha256 not hex": _set_entry(0, "sha256", "z" * 64),
+    "layout not an object": _set("layout", []),
+    "layout without pieces": lambda m: m["layout"].pop("pieces"),
+    "shapes a list": lambda m: m["layout"].__setitem__("shapes", [[40, 5]]),
+    "shape of strings": lambda m: m["layout"]["shapes"].__setitem__("w", ["40", "5"]),
+    "piece with an extra key": _set_piece("extra", 1),
+    "piece of an unknown tensor": _set_piece("name", "nope"),
+    "piece past its shard": _set_piece("offset", 10 ** 6),
+    "piece rows reversed": lambda m: m["layout"]["pieces"][0].update(row_start=5, row_end=0),
+    "piece numel negative": _set_piece("numel", -1),
+    "layout for another shard count": lambda m: m["layout"].update(
+        shard_numel=m["layout"]["shard_numel"] + [0], shard_ps=m["layout"]["shard_ps"] + [0]),
+    "shard_numel wrong": lambda m: m["layout"]["shard_numel"].__setitem__(0, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_manifest_skipped_with_warning_naming_it(tmp_path, caplog, case):
+    _saved_run(tmp_path, 2)
+    path = checkpoint.step_dir(tmp_path, 6) / "manifest.json"
+    change = MALFORMED[case]
+    if isinstance(change, bytes):
+        path.write_bytes(change)
+    else:
+        manifest = json.loads(path.read_text())
+        change(manifest)
+        path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING):
+        restored = checkpoint.find_latest(str(tmp_path))
+    assert restored is not None and restored.step == 3
+    assert f"checkpoint step 6 skipped: {path}" in caplog.text
+
+
+def test_shard_file_of_another_step_or_optimizer_skipped(tmp_path, caplog):
+    """A shard file whose checksum matches its entry but whose content is not what the manifest
+    describes (copied from another step, other optimizer state) is skipped too."""
+    _saved_run(tmp_path, 2)
+    six, three = checkpoint.step_dir(tmp_path, 6), checkpoint.step_dir(tmp_path, 3)
+    manifest = json.loads((six / "manifest.json").read_text())
+    data = (three / "shard-1.pt").read_bytes()  # step 3's shard 1, under step 6's name
+    (six / "shard-1.pt").write_bytes(data)
+    manifest["files"][1].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (six / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.find_latest(str(tmp_path)).step == 3
+    assert f"{six / 'shard-1.pt'} does not match {six / 'manifest.json'}" in caplog.text
+
+
+def test_step_folder_with_leading_zeros_is_not_a_step(tmp_path):
+    _saved_run(tmp_path, 1)
+    (tmp_path / "step-6").rename(tmp_path / "step-006")
+    assert [s for s, _ in checkpoint.steps_on_disk(tmp_path)] == [3]
 
 
 def test_prune_keeps_newest_and_drops_stale_partials(tmp_path):
