@@ -61,20 +61,52 @@ def _make_dirs(folder: Path) -> None:
         _fsync_dir(new.parent)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes, exclusive: bool = False) -> None:
+    """Write to a temporary name, then rename. `exclusive`: fail with FileExistsError rather
+    than replace an existing file (a hard link is an atomic create-if-absent)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        if not exclusive:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:  # a file system without hard links: check, then rename
+                if path.exists():
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+class StepCommitted(PsrpcError):
+    """A save into a step folder that already holds a manifest: committed steps are never
+    overwritten (rewriting one in place could leave it half old, half new after a crash)."""
+
+
+def is_committed(root, step: int) -> bool:
+    return (step_dir(root, step) / MANIFEST).exists()
+
+
+def _refuse_committed(folder: Path) -> None:
+    if (folder / MANIFEST).exists():
+        raise StepCommitted(f"{folder} already holds a committed checkpoint ({MANIFEST}, "
+                            "perhaps from an earlier run); committed steps are never overwritten")
 
 
 # -- PS side ---------------------------------------------------------------------------------
 def save_shard(root: Path, state: dict) -> dict:
-    """Write one shard's state (already a snapshot); returns what the manifest records."""
+    """Write one shard's state (already a snapshot); returns what the manifest records.
+    Raises StepCommitted if the step's folder is already committed."""
     folder = step_dir(root, state["version"])
+    _refuse_committed(folder)
     _make_dirs(folder)
     buf = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buf)
@@ -88,7 +120,12 @@ def save_shard(root: Path, state: dict) -> dict:
 def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], extra: dict) -> None:
     manifest = {"format": FORMAT, "step": step, "num_shards": layout.num_shards,
                 "layout": layout.to_dict(), "files": files, **extra}
-    _write_atomic(step_dir(root, step) / MANIFEST, json.dumps(manifest, indent=1).encode())
+    folder = step_dir(root, step)
+    try:
+        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), exclusive=True)
+    except FileExistsError:
+        _refuse_committed(folder)
+        raise
 
 
 def steps_on_disk(root: Path) -> list[tuple[int, Path]]:

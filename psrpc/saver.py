@@ -23,6 +23,7 @@ class CheckpointSaver(Hook):
         ck = cfg.checkpoint
         self.root, self.every_steps, self.every_s, self.keep = ck.dir, ck.every_steps, ck.every_s, ck.keep
         self.shards, self.layout = plan.all_shards, plan.layout
+        self.start = start_step  # 0, or the step this run restored from
         self.margin = margin  # steps ahead a time-based save is asked for
         self.extra = {"model": cfg.model.name, "optim": cfg.optim.name,
                       "update": cfg.update.name, "num_workers": cfg.cluster.num_workers}
@@ -45,9 +46,27 @@ class CheckpointSaver(Hook):
     def save(self, step: int) -> PyFuture:
         """Ask every shard for step `step`; the manifest follows once all have written it."""
         if step not in self._asked:
-            futures = [comm.invoke(r, "request_save", step) for r in self.shards]
-            self._asked[step] = self._pool.submit(self._commit, step, futures)
+            if checkpoint.is_committed(self.root, step):
+                self._asked[step] = self._keep_committed(step)
+            else:
+                futures = [comm.invoke(r, "request_save", step) for r in self.shards]
+                self._asked[step] = self._pool.submit(self._commit, step, futures)
         return self._asked[step]
+
+    def _keep_committed(self, step: int) -> PyFuture:
+        """A committed step is never rewritten (a crash halfway would leave it half old, half
+        new): the step this run restored from is already what it would save; any other is an
+        earlier run's that the restore skipped, left alone for whoever wants to look at it."""
+        folder = checkpoint.step_dir(self.root, step)
+        if step == self.start:
+            log.info("checkpoint step %d: this run started from %s; kept as it is", step, folder)
+        else:
+            log.warning("checkpoint step %d not made: %s already holds a committed checkpoint "
+                        "(from an earlier run); committed steps are never overwritten",
+                        step, folder)
+        done: PyFuture = PyFuture()
+        done.set_result(False)
+        return done
 
     def _commit(self, step: int, futures) -> bool:
         infos = [f.wait() for f in futures]
@@ -56,7 +75,11 @@ class CheckpointSaver(Hook):
             log.info("checkpoint step %d not made (%s did not save it); keeping the last one",
                      step, ", ".join(missing))
             return False
-        checkpoint.write_manifest(self.root, step, self.layout, infos, self.extra)
+        try:
+            checkpoint.write_manifest(self.root, step, self.layout, infos, self.extra)
+        except checkpoint.StepCommitted as e:
+            log.warning("checkpoint step %d not made: %s", step, e)
+            return False
         checkpoint.prune(self.root, self.keep, step)
         log.info("checkpoint step %d saved in %s", step, checkpoint.step_dir(self.root, step))
         return True

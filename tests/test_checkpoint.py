@@ -52,7 +52,7 @@ def test_every_rename_and_new_folder_is_made_durable_in_its_folder(tmp_path, mon
     each new step folder, the folder holding the new name must be synced too, by that thread
     before it does anything else."""
     events = []  # (thread, what, path), in order
-    real_fsync, real_replace, real_mkdir = os.fsync, os.replace, Path.mkdir
+    real_fsync, real_replace, real_link, real_mkdir = os.fsync, os.replace, os.link, Path.mkdir
 
     def fsync(fd):
         events.append((threading.get_ident(), "fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -66,8 +66,13 @@ def test_every_rename_and_new_folder_is_made_durable_in_its_folder(tmp_path, mon
         real_mkdir(self, *args, **kwargs)
         events.append((threading.get_ident(), "new name in", str(self.parent)))
 
+    def link(src, dst):
+        real_link(src, dst)
+        events.append((threading.get_ident(), "new name in", str(Path(dst).parent)))
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "link", link)
     monkeypatch.setattr(Path, "mkdir", mkdir)
     _saved_run(tmp_path, 2, steps=3, every=3)
     created = [i for i, e in enumerate(events) if e[1] == "new name in"]
@@ -195,6 +200,61 @@ def test_step_folder_with_leading_zeros_is_not_a_step(tmp_path):
     _saved_run(tmp_path, 1)
     (tmp_path / "step-6").rename(tmp_path / "step-006")
     assert [s for s, _ in checkpoint.steps_on_disk(tmp_path)] == [3]
+
+
+def _files(folder):
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+def test_committed_step_is_never_overwritten_by_a_later_run(tmp_path, caplog):
+    """A later run (here: other gradients) reaching a step an earlier run committed, e.g. one
+    the restore skipped as unreadable, leaves that step's files and manifest alone."""
+    _saved_run(tmp_path, 2)
+    three = checkpoint.step_dir(tmp_path, 3)
+    before = _files(three)
+    shard = make_shard(sync(), sgd(lr=0.1), workers=1, n=8, checkpoint_dir=str(tmp_path),
+                       checkpoint_every=3)
+    with caplog.at_level(logging.WARNING):
+        for step in range(3):
+            push(shard, 0, step, torch.ones(8)).wait()
+        assert shard.request_save(3).wait() is None  # not saved
+        shard.close()
+    assert _files(three) == before
+    assert f"step 3 not saved: {three} already holds a committed checkpoint" in caplog.text
+    with pytest.raises(checkpoint.StepCommitted, match=f"{three} already holds"):
+        checkpoint.write_manifest(tmp_path, 3, Layout.plan({"w": (8,)}, 1, 400), [{}], {})
+    assert _files(three) == before
+
+
+def _saver(root, start_step=0, every_steps=3):
+    from types import SimpleNamespace as NS
+
+    from psrpc.saver import CheckpointSaver
+
+    cfg = NS(checkpoint=NS(dir=str(root), every_steps=every_steps, every_s=0, keep=5),
+             model=NS(name="mlp"), optim=NS(name="sgd"), update=NS(name="sync"),
+             cluster=NS(num_workers=1))
+    return CheckpointSaver(cfg, NS(all_shards=["ps0's shard"], layout=None), start_step,
+                           margin=1)
+
+
+def test_saver_does_not_ask_for_a_committed_step(tmp_path, caplog, monkeypatch):
+    from psrpc import comm
+
+    _saved_run(tmp_path, 2)
+    asked = []
+    monkeypatch.setattr(comm, "invoke", lambda *a, **k: asked.append(a))
+    saver = _saver(tmp_path, start_step=3)
+    with caplog.at_level(logging.INFO):
+        assert saver.save(3).result() is False  # where this run started: kept, no warning
+        assert saver.save(6).result() is False  # an earlier run's: kept, with a warning
+    saver.final(6)
+    assert asked == []
+    assert "step 3: this run started from" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"checkpoint step 6 not made: {checkpoint.step_dir(tmp_path, 6)} already "
+                        "holds a committed checkpoint (from an earlier run); committed steps are "
+                        "never overwritten"]
 
 
 def test_prune_keeps_newest_and_drops_stale_partials(tmp_path):

@@ -46,8 +46,14 @@ def test_truncated_newest_shard_file_restores_previous_with_warning(tmp_path):
                                             "cluster.num_ps=2"])
     bad = ck / "step-40" / "shard-1.pt"
     bad.write_bytes(bad.read_bytes()[:1000])
+    step40 = {f.name: f.read_bytes() for f in (ck / "step-40").iterdir()}
     summary, _ = run_cluster(tmp_path / "second", CKPT + [f"checkpoint.dir={ck}",
                                                           "train.steps=50", "cluster.num_ps=2"])
     assert summary["restored_from_step"] == 30 and summary["steps"] == 50
     log = (tmp_path / "second" / "logs" / "worker0.log").read_text()
     assert f"checkpoint step 40 skipped: {bad} is truncated or corrupt" in log
+    # The rerun passes step 40 again: the earlier run's committed step-40 is left as it was
+    # (never overwritten), and the rerun's next checkpoint is made as usual.
+    assert {f.name: f.read_bytes() for f in (ck / "step-40").iterdir()} == step40
+    assert "checkpoint step 40 not made" in log and "never overwritten" in log
+    assert (ck / "step-50" / "manifest.json").exists()
