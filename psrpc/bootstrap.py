@@ -8,6 +8,7 @@ cuts and the step training resumes from.
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from typing import Optional
 
 import torch
@@ -19,7 +20,7 @@ from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
 from psrpc.layout import Layout
 from psrpc.pipeline import cut_points, stage_shapes
-from psrpc.shard import Shard, ShardSpec
+from psrpc.shard import Shard, ShardSpec, ShardStats
 from psrpc.topology import Topology
 from psrpc.worker import Plan
 
@@ -82,19 +83,23 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
     """One Shard per (stage, bucket) on its PS, via rpc.remote; RRefs grouped by stage."""
     layout = Layout.concat(layouts)
     version = restored.step if restored else 0
-    stats = _stats_for(restored)
+    stats = _shard_stats(restored, layout)
     stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
     shards = []
     for g, k in enumerate(layout.shard_ps):  # shard g lives on ps{k}
         name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
         spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
                          version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
-                         build_faults(cfg.fault, "ps", k, topo.restart_count), stats, name)
+                         build_faults(cfg.fault, "ps", k, topo.restart_count), stats[g], name)
         shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
     comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
 
-def _stats_for(restored: Optional[checkpoint.Restored]) -> Optional[dict]:
-    """Counters carried over a restore: shard 0's (every shard sees every push)."""
-    return dict(restored.shards[0]["stats"]) if restored and "stats" in restored.shards[0] else None
+def _shard_stats(restored: Optional[checkpoint.Restored], layout: Layout) -> list:
+    """Counters each shard carries over a restore (None: from zero); only ShardStats' fields."""
+    if restored is None:
+        return [None] * layout.num_shards
+    known = {f.name for f in fields(ShardStats)}
+    return [None if s is None else {k: v for k, v in s.items() if k in known}
+            for s in checkpoint.shard_stats(restored, layout)]

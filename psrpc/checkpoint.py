@@ -232,3 +232,31 @@ def reshard(restored: Restored, new: Layout) -> tuple[list[torch.Tensor], list[d
             for k in range(new.num_shards):
                 per_shard[k][key] = value.clone() if torch.is_tensor(value) else value
     return params, per_shard
+
+
+# Counters every shard keeps alike (each one applies every accepted push), and per-shard event
+# counters that the summary adds up or takes the maximum of across shards.
+_SHARED_COUNTERS = ("applied_pushes", "samples", "per_worker_applied")
+_SUMMED_COUNTERS = ("nan_rejected",)
+_MAX_COUNTERS = ("staleness_max",)
+
+
+def shard_stats(restored: Restored, new: Layout) -> list[Optional[dict]]:
+    """The counters each new shard starts from, so that every count is carried over once.
+
+    Same layout: each shard continues its own. Another layout: a shard's own history cannot be
+    split or merged, so the new shard 0 (the clock shard, whose counters the summary reports)
+    takes the old shard 0's, plus every old shard's rejections and largest staleness; the other
+    new shards take only the counters every shard shares."""
+    saved = [s.get("stats") for s in restored.shards]
+    if any(s is None for s in saved):  # written before counters were saved
+        return [None] * new.num_shards
+    if restored.layout == new:
+        return [dict(s) for s in saved]
+    first = dict(saved[0])
+    for key in _SUMMED_COUNTERS:
+        first[key] = sum(s.get(key, 0) for s in saved)
+    for key in _MAX_COUNTERS:
+        first[key] = max(s.get(key, 0) for s in saved)
+    shared = {k: saved[0][k] for k in _SHARED_COUNTERS if k in saved[0]}
+    return [first] + [dict(shared) for _ in range(new.num_shards - 1)]

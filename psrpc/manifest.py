@@ -151,6 +151,8 @@ def shard_state_problem(state: Any, k: int, step: int, numel: int,
     for key, value in values.items():
         if torch.is_tensor(value) and value.dim() >= 1 and value.shape != (numel,):
             return f"optimizer state {key!r} has shape {tuple(value.shape)}, expected ({numel},)"
-    if "stats" in state and not isinstance(state["stats"], dict):
-        return "stats is not a dict"
+    stats = state.get("stats", {})
+    if not isinstance(stats, dict) or not all(
+            type(v) in (int, float) or isinstance(v, dict) for v in stats.values()):
+        return "stats is not a dict of counters"
     return None

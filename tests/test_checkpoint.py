@@ -17,8 +17,9 @@ from tests.unit_helpers import adam, make_shard, push, sgd, sync
 SHAPES = {"w": (40, 5), "b": (40,), "v": (7, 3)}
 
 
-def _saved_run(root, num_shards, steps=6, every=3, optim=None):
-    """Train `num_shards` shards side by side for `steps` rounds, saving every `every`."""
+def _saved_run(root, num_shards, steps=6, every=3, optim=None, nan_on_shard=None):
+    """Train `num_shards` shards side by side for `steps` rounds, saving every `every`;
+    `nan_on_shard` rejects one non-finite gradient first (so the shards' counters differ)."""
     layout = Layout.plan(SHAPES, num_shards, max_shard_bytes=400)
     g = torch.Generator().manual_seed(0)
     start = layout.split({n: torch.randn(s, generator=g) for n, s in SHAPES.items()})
@@ -27,6 +28,9 @@ def _saved_run(root, num_shards, steps=6, every=3, optim=None):
               for k in range(num_shards)]
     for k, sh in enumerate(shards):
         sh.index = k
+    if nan_on_shard is not None:
+        push(shards[nan_on_shard], 0, 0, torch.full((layout.shard_numel[nan_on_shard],),
+                                                    float("nan"))).wait()
     for step in range(steps):
         grads = layout.split({n: torch.full(s, float(step + 1)) for n, s in SHAPES.items()})
         for sh, gr in zip(shards, grads):
@@ -284,6 +288,27 @@ def test_reshard_keeps_params_and_optimizer_state(tmp_path, optim, to_shards):
                 assert torch.equal(got[n], exp[n])
         else:
             assert all(torch.equal(s[key], value) for s in states)
+
+
+@pytest.mark.parametrize("to_shards", [2, 1, 3])
+def test_counters_are_restored_once_not_once_per_shard(tmp_path, to_shards):
+    """The summary adds nan_rejected over shards and takes the largest staleness: after a
+    restore each count must be there once (it was: every shard started from shard 0's)."""
+    layout, shards = _saved_run(tmp_path, 2, nan_on_shard=1)
+    before = [sh.report() for sh in shards]
+    assert [r["nan_rejected"] for r in before] == [0, 1]
+    new_layout = layout if to_shards == 2 else Layout.plan(SHAPES, to_shards, 400)
+    stats = checkpoint.shard_stats(checkpoint.find_latest(str(tmp_path)), new_layout)
+    after = [make_shard(sync(), sgd(), workers=1, n=n, stats=s).report()
+             for n, s in zip(new_layout.shard_numel, stats)]
+    assert sum(r["nan_rejected"] for r in after) == 1
+    assert after[0]["samples"] == before[0]["samples"] == 6
+    assert all(r["samples"] == 6 and r["applied_pushes"] == 6 for r in after)
+    if to_shards == 2:  # same layout: each shard goes on from exactly its own counters
+        counters = ("applied_pushes", "samples", "stale_dropped", "nan_rejected",
+                    "max_staleness", "mean_staleness", "per_worker_applied", "per_worker_stale")
+        for a, b in zip(after, before):
+            assert {k: a[k] for k in counters} == {k: b[k] for k in counters}
 
 
 def test_checkpoint_for_another_model_is_refused(tmp_path):
