@@ -37,8 +37,9 @@ def bootstrap(cfg: Config, topo: Topology, worker_cls):
     layout = Layout.concat(layouts)
     restored = checkpoint.find_latest(cfg.checkpoint.dir)
     flats, states = initial_state(cfg, model, layout, restored)
+    buffers = restored_buffers(cfg, model, restored)
     shards = create_shards(cfg, topo, layouts, flats, states, restored)
-    plan = Plan(layouts, shards, cuts, restored.step if restored else None)
+    plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers)
     log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
              sum(layout.shard_numel), layout.num_shards,
              "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
@@ -76,6 +77,28 @@ def initial_state(cfg: Config, model, layout: Layout,
              checkpoint.step_dir(cfg.checkpoint.dir, restored.step),
              restored.layout.num_shards, layout.num_shards)
     return flats, states
+
+
+def restored_buffers(cfg: Config, model, restored: Optional[checkpoint.Restored]):
+    """The checkpoint's buffers (BatchNorm statistics), checked against the model's; None when
+    fresh, or when the checkpoint predates saved buffers (they then start over, with a warning)."""
+    if restored is None:
+        return None
+    own = dict(model.named_buffers())
+    if restored.buffers is None:
+        if own:
+            log.warning("checkpoint step-%d holds no buffers (saved by an older psrpc): the "
+                        "model's %d buffers (BatchNorm statistics) start from their initial "
+                        "values", restored.step, len(own))
+        return None
+    saved = restored.buffers
+    diff = sorted(set(own) ^ set(saved)) or [
+        n for n in own if own[n].shape != saved[n].shape or own[n].dtype != saved[n].dtype]
+    if diff:
+        raise PsrpcError(f"checkpoint.dir={cfg.checkpoint.dir}: step-{restored.step} was made "
+                         f"for another model (buffers differ: {diff[:3]}); use another "
+                         "checkpoint.dir")
+    return saved
 
 
 def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, states,

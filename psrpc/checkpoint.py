@@ -1,12 +1,17 @@
 """Checkpoints: one file per shard, written by its PS, and a manifest written last by the chief.
 
-    checkpoint.dir/step-N/shard-K.pt      {"format", "shard", "version", "params", "optimizer"}
+    checkpoint.dir/step-N/shard-K.pt      {"format", "shard", "version", "params", "optimizer",
+                                           "stats"}
+    checkpoint.dir/step-N/buffers.pt      {"format", "step", "buffers"}: the chief's replica's
+                                          buffers (BatchNorm statistics) at step N
     checkpoint.dir/step-N/manifest.json   the commit point: step, layout, every file's size/sha256
 
-Files go to a temporary name, then are renamed. Restore takes the newest step whose manifest and
-files all check out (a truncated, unreadable or uncommitted step is skipped with a warning naming
-the file), loads with weights_only=True, and re-splits for any number of PS: parameters and the
-optimizer's per-element state are joined by the saved layout and split by the new one.
+Files go to a temporary name, then are renamed, and the folder is synced; a step folder that
+holds a manifest is never written to again. Restore takes the newest step whose manifest and
+files all check out (a truncated, unreadable, malformed or uncommitted step is skipped with a
+warning naming the file; psrpc/manifest.py says what is checked), loads with weights_only=True,
+and re-splits for any number of PS: parameters and the optimizer's per-element state are joined
+by the saved layout and split by the new one. The buffers go back into every replica.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import torch
 
 from psrpc.errors import PsrpcError
 from psrpc.layout import Layout
-from psrpc.manifest import FORMAT, manifest_problem, shard_file, shard_state_problem
+from psrpc.manifest import (BUFFERS_FILE, FORMAT, buffers_problem, manifest_problem, shard_file,
+                            shard_state_problem)
 
 log = logging.getLogger("psrpc")
 MANIFEST = "manifest.json"
@@ -105,21 +111,36 @@ def _refuse_committed(folder: Path) -> None:
 def save_shard(root: Path, state: dict) -> dict:
     """Write one shard's state (already a snapshot); returns what the manifest records.
     Raises StepCommitted if the step's folder is already committed."""
-    folder = step_dir(root, state["version"])
+    return _save(root, state["version"], shard_file(state["shard"]), {"format": FORMAT, **state})
+
+
+def _save(root: Path, step: int, name: str, obj: dict) -> dict:
+    """torch.save `obj` as step-`step`/`name`; returns its manifest entry."""
+    folder = step_dir(root, step)
     _refuse_committed(folder)
     _make_dirs(folder)
     buf = io.BytesIO()
-    torch.save({"format": FORMAT, **state}, buf)
+    torch.save(obj, buf)
     data = buf.getvalue()
-    name = shard_file(state["shard"])
     _write_atomic(folder / name, data)
     return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 # -- chief side ------------------------------------------------------------------------------
-def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], extra: dict) -> None:
+def save_buffers(root: Path, step: int, buffers: dict[str, torch.Tensor]) -> dict:
+    """The chief's replica's buffers (BatchNorm statistics) at step `step`: model state that
+    is not a parameter, so no shard holds it. Written before the manifest, which lists it."""
+    return _save(root, step, BUFFERS_FILE, {"format": FORMAT, "step": step, "buffers": buffers})
+
+
+def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], extra: dict,
+                   buffers: Optional[dict] = None) -> None:
+    """The commit point: written last, once every file it lists is on disk. `buffers`: the
+    entry save_buffers returned."""
     manifest = {"format": FORMAT, "step": step, "num_shards": layout.num_shards,
                 "layout": layout.to_dict(), "files": files, **extra}
+    if buffers is not None:
+        manifest["buffers"] = buffers
     folder = step_dir(root, step)
     try:
         _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), exclusive=True)
@@ -155,6 +176,7 @@ class Restored:
     layout: Layout
     shards: list[dict]  # per saved shard: {"params": flat, "optimizer": state_dict, ...}
     manifest: dict
+    buffers: Optional[dict[str, torch.Tensor]] = None  # None: saved before buffers were
 
 
 def _load_step(step: int, folder: Path) -> Restored:
@@ -178,7 +200,15 @@ def _load_step(step: int, folder: Path) -> Restored:
         if problem:
             raise ValueError(f"{path} does not match {mpath}: {problem}")
         shards.append(state)
-    return Restored(step, layout, shards, manifest)
+    buffers = None
+    if "buffers" in manifest:
+        path = folder / BUFFERS_FILE
+        saved = _load_file(path, manifest["buffers"])
+        problem = buffers_problem(saved, step)
+        if problem:
+            raise ValueError(f"{path} does not match {mpath}: {problem}")
+        buffers = saved["buffers"]
+    return Restored(step, layout, shards, manifest, buffers)
 
 
 def _load_file(path: Path, entry: dict):

@@ -101,7 +101,7 @@ class Chief:
         worker = self.worker_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
         evaluate = outputs.Evaluator(worker, self.cfg.train.eval_batch_size)
         start = self.plan.restored_from_step or 0
-        self.saver = build_saver(self.cfg, self.plan, start)
+        self.saver = build_saver(self.cfg, self.plan, start, worker.buffers)
         extra = [self.saver] if self.saver else []
         extra += [_instantiate(h) for h in self.cfg.hooks]
         self.hooks = Hooks(default_hooks(self.out_dir, self.cfg) + extra)

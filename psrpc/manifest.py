@@ -156,3 +156,14 @@ def shard_state_problem(state: Any, k: int, step: int, numel: int,
             type(v) in (int, float) or isinstance(v, dict) for v in stats.values()):
         return "stats is not a dict of counters"
     return None
+
+
+def buffers_problem(saved: Any, step: int) -> Optional[str]:
+    """A loaded buffers.pt: {"format", "step", "buffers": {name: tensor}}."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("step") != step:
+        return f"not the buffers of step {step} in format {FORMAT!r}"
+    buffers = saved.get("buffers")
+    if not isinstance(buffers, dict) or not all(
+            isinstance(n, str) and torch.is_tensor(b) for n, b in buffers.items()):
+        return "buffers is not a dict of named tensors"
+    return None

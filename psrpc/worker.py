@@ -38,6 +38,7 @@ class Plan:
     shards: list[list]  # shards[s][k]: RRef of stage s's shard on ps{k}
     cuts: list[int]  # index of each stage's first layer (data parallel: [0])
     restored_from_step: Optional[int] = None
+    buffers: Optional[dict[str, torch.Tensor]] = None  # restored buffers, full-model names
 
     @property
     def layout(self) -> Layout:
@@ -95,6 +96,18 @@ class ShardClient:
                           for rref in self.shards])
 
 
+def load_buffers(module: torch.nn.Module, buffers: Optional[dict[str, torch.Tensor]]) -> None:
+    """A restored checkpoint's buffers (BatchNorm statistics, saved from the chief's replica)
+    into `module` (a whole model or a pipeline stage, named as in the whole model). Every
+    replica loads the chief's, as DDP broadcasts rank 0's: they take no part in the gradients,
+    only in evaluation and model.pt, which come from the chief."""
+    if buffers is None:
+        return
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            buf.copy_(buffers[name])
+
+
 def pick_device(name: str, local_rank: int) -> torch.device:
     """train.device: auto -> cuda:{local_rank % n} when CUDA is present, else cpu."""
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
@@ -139,6 +152,7 @@ class Worker(Replica):
         super().__init__(cfg, topo, plan, dataset)
         self.index = topo.index
         self.model = (model or self.build_model(cfg, self.data)).to(self.device)
+        load_buffers(self.model, plan.buffers)
         self.flat = FlatModel(self.model, plan.layouts[0], self.device,
                               WIRE_DTYPES[cfg.update.wire_dtype])
         self.client = ShardClient(plan.shards[0], self.index)

@@ -261,6 +261,93 @@ def test_saver_does_not_ask_for_a_committed_step(tmp_path, caplog, monkeypatch):
                         "never overwritten"]
 
 
+def test_saver_writes_the_chiefs_buffers_of_each_step_before_its_manifest(tmp_path, monkeypatch):
+    """Buffers (BatchNorm statistics) are taken when the chief reaches the step: at once for an
+    every_steps save, later for a step asked ahead (time-based), at the end for the final one;
+    buffers.pt is on disk, listed with size and sha256, before the manifest commits the step."""
+    from psrpc import comm
+    from psrpc.hooks import StepInfo
+
+    layout = Layout.plan(SHAPES, 2, max_shard_bytes=400)
+    shards = [make_shard(sync(), sgd(lr=0.1), workers=1, n=n, checkpoint_dir=str(tmp_path),
+                         checkpoint_every=3, steps=7) for n in layout.shard_numel]
+    for k, sh in enumerate(shards):
+        sh.index = k
+    monkeypatch.setattr(comm, "invoke", lambda shard, method, *a, **kw: getattr(shard, method)(*a))
+    real_write = checkpoint.write_manifest
+
+    def write_manifest(root, step, layout, files, extra, buffers=None):
+        data = (checkpoint.step_dir(root, step) / "buffers.pt").read_bytes()
+        assert buffers == {"file": "buffers.pt", "bytes": len(data),
+                           "sha256": hashlib.sha256(data).hexdigest()}
+        real_write(root, step, layout, files, extra, buffers)
+
+    monkeypatch.setattr(checkpoint, "write_manifest", write_manifest)
+    chief_at = [0]  # the chief's step: its buffers below say which step they were taken at
+    saver = _saver(tmp_path, every_steps=3)
+    saver.shards, saver.layout = shards, layout
+    saver.buffers = lambda: {"bn.running_mean": torch.tensor([float(chief_at[0])])}
+    for step in range(7):
+        for sh, n in zip(shards, layout.shard_numel):
+            push(sh, 0, step, torch.ones(n)).wait()
+        chief_at[0] = step + 1
+        saver.after_step(StepInfo(step + 1, 1.0, step + 1, 0, 0.0))
+        if step + 1 == 3:
+            saver.save(5)  # asked ahead, as a time-based save does
+    saver.final(7)
+    for sh in shards:
+        sh.close()
+    for step in (3, 5, 6, 7):
+        restored = checkpoint._load_step(step, checkpoint.step_dir(tmp_path, step))
+        assert restored.buffers == {"bn.running_mean": torch.tensor([float(step)])}, step
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "not buffers"])
+def test_bad_buffers_file_skips_its_step(tmp_path, caplog, damage):
+    _saved_run(tmp_path, 1)
+    six = checkpoint.step_dir(tmp_path, 6)
+    manifest = json.loads((six / "manifest.json").read_text())
+    (six / "manifest.json").unlink()
+    entry = checkpoint.save_buffers(tmp_path, 6, {"bn.running_var": torch.ones(3)})
+    path = six / "buffers.pt"
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:50])
+    elif damage == "delete":
+        path.unlink()
+    else:  # right checksum, wrong content
+        import io
+        buf = io.BytesIO()
+        torch.save({"format": checkpoint.FORMAT, "step": 6, "buffers": [1, 2]}, buf)
+        path.write_bytes(buf.getvalue())
+        entry.update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
+    manifest["buffers"] = entry
+    (six / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.find_latest(str(tmp_path)).step == 3
+    assert f"checkpoint step 6 skipped: {path}" in caplog.text
+
+
+def test_restored_buffers_must_be_the_models(caplog):
+    from types import SimpleNamespace as NS
+
+    from torch import nn
+
+    from psrpc.bootstrap import restored_buffers
+    from psrpc.errors import PsrpcError
+
+    cfg = NS(checkpoint=NS(dir="ck"))
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    own = {n: b.clone() + 1 for n, b in model.named_buffers()}
+    made = lambda buffers: checkpoint.Restored(40, None, [], {}, buffers)  # noqa: E731
+    assert restored_buffers(cfg, model, made(own)) is own
+    with pytest.raises(PsrpcError, match=r"step-40 was made for another model \(buffers "
+                                         r"differ: \['1.running_mean'\]\)"):
+        restored_buffers(cfg, model, made({**own, "1.running_mean": torch.zeros(4)}))
+    with caplog.at_level(logging.WARNING):
+        assert restored_buffers(cfg, model, made(None)) is None
+    assert "step-40 holds no buffers (saved by an older psrpc)" in caplog.text
+
+
 def test_prune_keeps_newest_and_drops_stale_partials(tmp_path):
     _saved_run(tmp_path, 1, steps=12, every=3)
     (tmp_path / "step-1").mkdir()  # an abandoned, uncommitted save
