@@ -92,6 +92,84 @@ def test_sigterm_to_launcher_commits_the_step_it_stopped_at_and_every_process_is
     assert (out / "model.pt").exists()
 
 
+def test_sigterm_with_a_lost_worker_still_commits_the_final_checkpoint_at_once(tmp_path):
+    """worker1 was killed earlier (async: the others went on). After SIGTERM the chief must not
+    wait update.timeout_s (60 s) for worker1's done report, before its final checkpoint or after."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "psrpc", "update=async", "update.timeout_s=60",
+         "train.steps=1000000", "fault.crash_role=worker", "fault.crash_index=1",
+         "fault.crash_at_step=3", f"checkpoint.dir={ck}", "checkpoint.every_steps=50",
+         f"out_dir={out}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(ck / "step-50" / "manifest.json", 120)
+        family = [proc.pid] + _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        while _alive(family) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert not _alive(family), f"still running 10 s after SIGTERM: {_alive(family)}"
+        output = proc.communicate(timeout=10)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["workers_lost"] == 1, output[-2000:]
+    assert (ck / f"step-{summary['steps']}" / "manifest.json").exists()
+
+
+def test_ranks_wait_for_the_chiefs_stop_while_it_answers(monkeypatch):
+    """After SIGTERM a PS must stay while the chief writes its final checkpoint and model.pt
+    from the shards: as long as the chief answers, for longer than the launchers' own grace
+    (torchrun kills 30 s after its SIGTERM), so that the launcher decides, not this timer."""
+    from psrpc import comm, process
+    from psrpc.topology import Topology
+
+    pings = []
+
+    def ping(to, fn, *args, **kwargs):  # the chief answers, then says stop
+        pings.append(to)
+        if len(pings) == 2:
+            process.stop_serving(True)
+        return "finishing"
+
+    monkeypatch.setattr(comm, "call_sync", ping)
+    monkeypatch.setattr(process, "_TERMINATING", [time.monotonic() - 29])  # signal 29 s ago
+    monkeypatch.setattr(process, "_STOP", threading.Event())
+    monkeypatch.setattr(process, "_GRACEFUL", [True])
+    assert process._wait_for_stop(Topology(1, 2).with_rank(0)) is True
+    assert pings == ["worker0"] * 2
+
+
+def test_ranks_leave_a_chief_stuck_in_training_after_the_signal(monkeypatch, caplog):
+    """A chief that cannot end its step (e.g. at a barrier for a dead worker) is left, so that
+    it fails and torchrun can restart the group without waiting for its SIGKILL."""
+    from psrpc import comm, process
+    from psrpc.topology import Topology
+
+    monkeypatch.setattr(comm, "call_sync", lambda *a, **k: "training")
+    monkeypatch.setattr(process, "_TERMINATING", [time.monotonic() - process.STOP_WAIT_S - 1])
+    monkeypatch.setattr(process, "_STOP", threading.Event())
+    assert process._wait_for_stop(Topology(1, 2).with_rank(0)) is False
+    assert "no stop from the chief (training) 8 s after the signal; leaving" in caplog.text
+
+
+def test_ranks_leave_at_once_when_the_chief_is_gone(monkeypatch):
+    from psrpc import comm, process
+    from psrpc.errors import PsrpcError
+    from psrpc.topology import Topology
+
+    def ping(to, fn, *args, **kwargs):
+        raise RuntimeError("connection refused")
+
+    monkeypatch.setattr(comm, "call_sync", ping)
+    monkeypatch.setattr(process, "_TERMINATING", [time.monotonic()])
+    monkeypatch.setattr(process, "_STOP", threading.Event())
+    with pytest.raises(PsrpcError, match=r"ps0: lost contact with the chief \(worker0\)"):
+        process._wait_for_stop(Topology(1, 2).with_rank(0))
+
+
 def _busy_final_save() -> None:
     signal.signal(signal.SIGTERM, lambda *a: None)  # a chief still busy saving
     time.sleep(60)
