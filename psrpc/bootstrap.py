@@ -8,6 +8,7 @@ cuts and the step training resumes from.
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from typing import Optional
 
 import torch
@@ -19,7 +20,7 @@ from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
 from psrpc.layout import Layout
 from psrpc.pipeline import cut_points, stage_shapes
-from psrpc.shard import Shard, ShardSpec
+from psrpc.shard import Shard, ShardSpec, ShardStats
 from psrpc.topology import Topology
 from psrpc.worker import Plan
 
@@ -36,8 +37,9 @@ def bootstrap(cfg: Config, topo: Topology, worker_cls):
     layout = Layout.concat(layouts)
     restored = checkpoint.find_latest(cfg.checkpoint.dir)
     flats, states = initial_state(cfg, model, layout, restored)
+    buffers = restored_buffers(cfg, model, restored)
     shards = create_shards(cfg, topo, layouts, flats, states, restored)
-    plan = Plan(layouts, shards, cuts, restored.step if restored else None)
+    plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers)
     log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
              sum(layout.shard_numel), layout.num_shards,
              "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
@@ -77,24 +79,50 @@ def initial_state(cfg: Config, model, layout: Layout,
     return flats, states
 
 
+def restored_buffers(cfg: Config, model, restored: Optional[checkpoint.Restored]):
+    """The checkpoint's buffers (BatchNorm statistics), checked against the model's; None when
+    fresh, or when the checkpoint predates saved buffers (they then start over, with a warning)."""
+    if restored is None:
+        return None
+    own = dict(model.named_buffers())
+    if restored.buffers is None:
+        if own:
+            log.warning("checkpoint step-%d holds no buffers (saved by an older psrpc): the "
+                        "model's %d buffers (BatchNorm statistics) start from their initial "
+                        "values", restored.step, len(own))
+        return None
+    saved = restored.buffers
+    diff = sorted(set(own) ^ set(saved)) or [
+        n for n in own if own[n].shape != saved[n].shape or own[n].dtype != saved[n].dtype]
+    if diff:
+        raise PsrpcError(f"checkpoint.dir={cfg.checkpoint.dir}: step-{restored.step} was made "
+                         f"for another model (buffers differ: {diff[:3]}); use another "
+                         "checkpoint.dir")
+    return saved
+
+
 def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, states,
                   restored: Optional[checkpoint.Restored]) -> list[list]:
     """One Shard per (stage, bucket) on its PS, via rpc.remote; RRefs grouped by stage."""
     layout = Layout.concat(layouts)
     version = restored.step if restored else 0
-    stats = _stats_for(restored)
+    stats = _shard_stats(restored, layout)
     stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
     shards = []
     for g, k in enumerate(layout.shard_ps):  # shard g lives on ps{k}
         name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
         spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
                          version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
-                         build_faults(cfg.fault, "ps", k, topo.restart_count), stats, name)
+                         build_faults(cfg.fault, "ps", k, topo.restart_count), stats[g], name)
         shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
     comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
 
-def _stats_for(restored: Optional[checkpoint.Restored]) -> Optional[dict]:
-    """Counters carried over a restore: shard 0's (every shard sees every push)."""
-    return dict(restored.shards[0]["stats"]) if restored and "stats" in restored.shards[0] else None
+def _shard_stats(restored: Optional[checkpoint.Restored], layout: Layout) -> list:
+    """Counters each shard carries over a restore (None: from zero); only ShardStats' fields."""
+    if restored is None:
+        return [None] * layout.num_shards
+    known = {f.name for f in fields(ShardStats)}
+    return [None if s is None else {k: v for k, v in s.items() if k in known}
+            for s in checkpoint.shard_stats(restored, layout)]

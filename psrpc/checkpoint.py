@@ -1,12 +1,17 @@
 """Checkpoints: one file per shard, written by its PS, and a manifest written last by the chief.
 
-    checkpoint.dir/step-N/shard-K.pt      {"format", "shard", "version", "params", "optimizer"}
+    checkpoint.dir/step-N/shard-K.pt      {"format", "shard", "version", "params", "optimizer",
+                                           "stats"}
+    checkpoint.dir/step-N/buffers.pt      {"format", "step", "buffers"}: the chief's replica's
+                                          buffers (BatchNorm statistics) at step N
     checkpoint.dir/step-N/manifest.json   the commit point: step, layout, every file's size/sha256
 
-Files go to a temporary name, then are renamed. Restore takes the newest step whose manifest and
-files all check out (a truncated, unreadable or uncommitted step is skipped with a warning naming
-the file), loads with weights_only=True, and re-splits for any number of PS: parameters and the
-optimizer's per-element state are joined by the saved layout and split by the new one.
+Files go to a temporary name, then are renamed, and the folder is synced; a step folder that
+holds a manifest is never written to again. Restore takes the newest step whose manifest and
+files all check out (a truncated, unreadable, malformed or uncommitted step is skipped with a
+warning naming the file; psrpc/manifest.py says what is checked), loads with weights_only=True,
+and re-splits for any number of PS: parameters and the optimizer's per-element state are joined
+by the saved layout and split by the new one. The buffers go back into every replica.
 """
 
 from __future__ import annotations
@@ -26,44 +31,122 @@ import torch
 
 from psrpc.errors import PsrpcError
 from psrpc.layout import Layout
+from psrpc.manifest import (BUFFERS_FILE, FORMAT, buffers_problem, manifest_problem, shard_file,
+                            shard_state_problem)
 
 log = logging.getLogger("psrpc")
-FORMAT = "psrpc-checkpoint-1"
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step-(\d+)$")
+_STEP_DIR = re.compile(r"step-(0|[1-9]\d*)$")  # step-N exactly as step_dir names it
 
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step}"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _fsync_dir(folder: Path) -> None:
+    """A rename or a new entry survives a power cut only once its directory is synced too
+    (POSIX: fsync on a file covers its data, not the directory entry pointing at it)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(folder: Path) -> None:
+    """mkdir -p, each new folder made durable in its parent."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:  # another PS made it first
+            continue
+        _fsync_dir(new.parent)
+
+
+def _write_atomic(path: Path, data: bytes, exclusive: bool = False) -> None:
+    """Write to a temporary name, then rename. `exclusive`: fail with FileExistsError rather
+    than replace an existing file (a hard link is an atomic create-if-absent)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        if not exclusive:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:  # a file system without hard links: check, then rename
+                if path.exists():
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+class StepCommitted(PsrpcError):
+    """A save into a step folder that already holds a manifest: committed steps are never
+    overwritten (rewriting one in place could leave it half old, half new after a crash)."""
+
+
+def is_committed(root, step: int) -> bool:
+    return (step_dir(root, step) / MANIFEST).exists()
+
+
+def _refuse_committed(folder: Path) -> None:
+    if (folder / MANIFEST).exists():
+        raise StepCommitted(f"{folder} already holds a committed checkpoint ({MANIFEST}, "
+                            "perhaps from an earlier run); committed steps are never overwritten")
 
 
 # -- PS side ---------------------------------------------------------------------------------
 def save_shard(root: Path, state: dict) -> dict:
-    """Write one shard's state (already a snapshot); returns what the manifest records."""
-    folder = step_dir(root, state["version"])
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write one shard's state (already a snapshot); returns what the manifest records.
+    Raises StepCommitted if the step's folder is already committed."""
+    return _save(root, state["version"], shard_file(state["shard"]), {"format": FORMAT, **state})
+
+
+def _save(root: Path, step: int, name: str, obj: dict) -> dict:
+    """torch.save `obj` as step-`step`/`name`; returns its manifest entry."""
+    folder = step_dir(root, step)
+    _refuse_committed(folder)
+    _make_dirs(folder)
     buf = io.BytesIO()
-    torch.save({"format": FORMAT, **state}, buf)
+    torch.save(obj, buf)
     data = buf.getvalue()
-    name = f"shard-{state['shard']}.pt"
     _write_atomic(folder / name, data)
     return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 # -- chief side ------------------------------------------------------------------------------
-def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], extra: dict) -> None:
+def save_buffers(root: Path, step: int, buffers: dict[str, torch.Tensor]) -> dict:
+    """The chief's replica's buffers (BatchNorm statistics) at step `step`: model state that
+    is not a parameter, so no shard holds it. Written before the manifest, which lists it."""
+    return _save(root, step, BUFFERS_FILE, {"format": FORMAT, "step": step, "buffers": buffers})
+
+
+def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], extra: dict,
+                   buffers: Optional[dict] = None) -> None:
+    """The commit point: written last, once every file it lists is on disk. `buffers`: the
+    entry save_buffers returned."""
     manifest = {"format": FORMAT, "step": step, "num_shards": layout.num_shards,
                 "layout": layout.to_dict(), "files": files, **extra}
-    _write_atomic(step_dir(root, step) / MANIFEST, json.dumps(manifest, indent=1).encode())
+    if buffers is not None:
+        manifest["buffers"] = buffers
+    folder = step_dir(root, step)
+    try:
+        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), exclusive=True)
+    except FileExistsError:
+        _refuse_committed(folder)
+        raise
 
 
 def steps_on_disk(root: Path) -> list[tuple[int, Path]]:
@@ -93,37 +176,54 @@ class Restored:
     layout: Layout
     shards: list[dict]  # per saved shard: {"params": flat, "optimizer": state_dict, ...}
     manifest: dict
+    buffers: Optional[dict[str, torch.Tensor]] = None  # None: saved before buffers were
 
 
-def _load_step(folder: Path) -> Restored:
-    """Load and verify one step; raises ValueError naming the bad file."""
+def _load_step(step: int, folder: Path) -> Restored:
+    """Load and verify one step; raises ValueError naming the bad file and what is wrong."""
     mpath = folder / MANIFEST
     if not mpath.exists():
         raise ValueError(f"{mpath} is missing (the checkpoint was never committed)")
     try:
-        manifest = json.loads(mpath.read_text())
-        layout = Layout.from_dict(manifest["layout"])
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        manifest = json.loads(mpath.read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"{mpath} is unreadable ({e})") from None
-    shards = []
-    for k, entry in enumerate(files):
+    problem, layout = manifest_problem(manifest, step)
+    if problem:
+        raise ValueError(f"{mpath} is malformed: {problem}")
+    shards: list[dict] = []
+    for k, entry in enumerate(manifest["files"]):
         path = folder / entry["file"]
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise ValueError(f"{path} is unreadable ({e.strerror})") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise ValueError(f"{path} is truncated or corrupt ({len(data)} bytes, manifest says "
-                             f"{entry['bytes']})")
-        try:
-            state = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as e:
-            raise ValueError(f"{path} is unreadable ({type(e).__name__})") from None
-        if state.get("shard") != k or state["params"].numel() != layout.shard_numel[k]:
-            raise ValueError(f"{path} does not match the manifest's layout")
+        state = _load_file(path, entry)
+        keys = set(shards[0]["optimizer"]["state"].get(0, {})) if shards else None
+        problem = shard_state_problem(state, k, step, layout.shard_numel[k], keys)
+        if problem:
+            raise ValueError(f"{path} does not match {mpath}: {problem}")
         shards.append(state)
-    return Restored(manifest["step"], layout, shards, manifest)
+    buffers = None
+    if "buffers" in manifest:
+        path = folder / BUFFERS_FILE
+        saved = _load_file(path, manifest["buffers"])
+        problem = buffers_problem(saved, step)
+        if problem:
+            raise ValueError(f"{path} does not match {mpath}: {problem}")
+        buffers = saved["buffers"]
+    return Restored(step, layout, shards, manifest, buffers)
+
+
+def _load_file(path: Path, entry: dict):
+    """One file of a step, checked against its manifest entry, loaded with weights_only."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path} is unreadable ({e.strerror})") from None
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError(f"{path} is truncated or corrupt ({len(data)} bytes, manifest says "
+                         f"{entry['bytes']})")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__})") from None
 
 
 def find_latest(root: Optional[str]) -> Optional[Restored]:
@@ -132,7 +232,7 @@ def find_latest(root: Optional[str]) -> Optional[Restored]:
         return None
     for step, folder in steps_on_disk(Path(root)):
         try:
-            return _load_step(folder)
+            return _load_step(step, folder)
         except ValueError as e:
             log.warning("checkpoint step %d skipped: %s", step, e)
     return None
@@ -162,3 +262,31 @@ def reshard(restored: Restored, new: Layout) -> tuple[list[torch.Tensor], list[d
             for k in range(new.num_shards):
                 per_shard[k][key] = value.clone() if torch.is_tensor(value) else value
     return params, per_shard
+
+
+# Counters every shard keeps alike (each one applies every accepted push), and per-shard event
+# counters that the summary adds up or takes the maximum of across shards.
+_SHARED_COUNTERS = ("applied_pushes", "samples", "per_worker_applied")
+_SUMMED_COUNTERS = ("nan_rejected",)
+_MAX_COUNTERS = ("staleness_max",)
+
+
+def shard_stats(restored: Restored, new: Layout) -> list[Optional[dict]]:
+    """The counters each new shard starts from, so that every count is carried over once.
+
+    Same layout: each shard continues its own. Another layout: a shard's own history cannot be
+    split or merged, so the new shard 0 (the clock shard, whose counters the summary reports)
+    takes the old shard 0's, plus every old shard's rejections and largest staleness; the other
+    new shards take only the counters every shard shares."""
+    saved = [s.get("stats") for s in restored.shards]
+    if any(s is None for s in saved):  # written before counters were saved
+        return [None] * new.num_shards
+    if restored.layout == new:
+        return [dict(s) for s in saved]
+    first = dict(saved[0])
+    for key in _SUMMED_COUNTERS:
+        first[key] = sum(s.get(key, 0) for s in saved)
+    for key in _MAX_COUNTERS:
+        first[key] = max(s.get(key, 0) for s in saved)
+    shared = {k: saved[0][k] for k in _SHARED_COUNTERS if k in saved[0]}
+    return [first] + [dict(shared) for _ in range(new.num_shards - 1)]

@@ -22,6 +22,7 @@ from psrpc.bootstrap import bootstrap
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
 from psrpc.hooks import Hooks, RunContext, StepInfo, Throughput, default_hooks
+from psrpc.process import STOP_WAIT_S
 from psrpc.saver import build_saver
 from psrpc.shard import Reply
 from psrpc.topology import Topology
@@ -33,6 +34,7 @@ _PLAN = torch.futures.Future()  # completed by the chief with the Plan (or its e
 _DONE: dict[int, dict] = {}  # worker index -> its stats, as workers finish
 _DONE_LOCK = threading.Condition()
 _STOP_REQUESTED = threading.Event()  # SIGTERM/SIGINT on the chief: end at the next step
+_FINISHING = threading.Event()  # training is over: final checkpoint and outputs under way
 
 
 @comm.async_execution
@@ -46,8 +48,10 @@ def report_done(worker: int, stats: dict) -> None:
         _DONE_LOCK.notify_all()
 
 
-def ping() -> bool:
-    return True
+def ping() -> str:
+    """'training', or 'finishing' once training is over and the chief is writing the final
+    checkpoint and outputs (the other ranks must stay until it is done)."""
+    return "finishing" if _FINISHING.is_set() else "training"
 
 
 def stop_at_next_step() -> None:
@@ -115,7 +119,7 @@ class Chief:
         worker = self.worker_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
         evaluate = outputs.Evaluator(worker, self.cfg.train.eval_batch_size)
         start = self.plan.restored_from_step or 0
-        self.saver = build_saver(self.cfg, self.plan, start)
+        self.saver = build_saver(self.cfg, self.plan, start, worker.buffers)
         extra = [self.saver] if self.saver else []
         extra += [_instantiate(h) for h in self.cfg.hooks]
         self.hooks = Hooks(default_hooks(self.out_dir, self.cfg) + extra)
@@ -124,31 +128,62 @@ class Chief:
         t_train = time.perf_counter()
         worker.run(self.after_step)
         wall_s = time.perf_counter() - t_train
+        _FINISHING.set()
+        self.final_checkpoint()  # first: a signal gives little time, and it needs no one else
         self.lost = self.collect_workers()
         summary = self.finish(worker, evaluate, wall_s, time.perf_counter() - t_start)
         self.hooks.end(summary)
         return summary
 
     def collect_workers(self) -> list[int]:
-        """Wait for every other replica leader's done report; the silent ones count as lost."""
+        """Wait for every other replica leader's done report; the silent ones count as lost.
+        After a signal the launcher gives little time: a leader whose process is gone (it
+        does not answer a ping) is lost at once instead of waited for until update.timeout_s,
+        and STOP_WAIT_S bounds the wait for the others, which only have to end their step."""
         others = set(range(self.topo.stages, self.topo.num_workers, self.topo.stages))
-        deadline = time.monotonic() + self.cfg.update.timeout_s
-        with _DONE_LOCK:
-            while not others <= set(_DONE) and time.monotonic() < deadline:
-                _DONE_LOCK.wait(timeout=max(0.0, deadline - time.monotonic()))
-            lost = sorted(others - set(_DONE))
+        wait_s, why = self.cfg.update.timeout_s, "update.timeout_s"
+        if _STOP_REQUESTED.is_set() and STOP_WAIT_S < wait_s:
+            wait_s, why = STOP_WAIT_S, "after the signal"
+        deadline = time.monotonic() + wait_s
+        gone: set[int] = set()
+        while True:
+            with _DONE_LOCK:
+                waiting = others - set(_DONE) - gone
+                if not waiting or time.monotonic() >= deadline:
+                    break
+                _DONE_LOCK.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if _STOP_REQUESTED.is_set():
+                gone |= {w for w in waiting - set(_DONE) if not self._answers(w)}
+        lost = sorted(others - set(_DONE))
         if lost:
-            log.warning("no done report from %s within %.0f s (update.timeout_s): counted lost",
-                        ", ".join(f"worker{w}" for w in lost), self.cfg.update.timeout_s)
+            log.warning("no done report from %s%s: counted lost",
+                        ", ".join(f"worker{w}" for w in lost),
+                        " (its process is gone)" if lost == sorted(gone)
+                        else f" within {wait_s:.0f} s ({why})")
         return lost
 
+    def _answers(self, worker: int) -> bool:
+        """Whether worker `worker`'s process still answers RPC (any function would do: a
+        dead process fails the call at once, a busy one answers from its RPC threads)."""
+        try:
+            comm.call_sync(self.topo.worker_names[worker], ping, timeout_s=1.0)
+            return True
+        except Exception:
+            return False
+
     # -- end -----------------------------------------------------------------------------------
-    def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
-        """Final checkpoint first (a signal gives little time), then model.pt and the summary;
-        the final evaluation is skipped when a signal stopped the run."""
-        reports = comm.wait_all([comm.invoke(r, "report") for r in self.plan.all_shards])
+    def final_checkpoint(self) -> None:
+        """The checkpoint of the step training ended on. The shards no longer change (finished
+        or frozen), so it is taken before waiting for the other workers' reports: a lost worker
+        would hold it back by update.timeout_s, longer than a launcher's grace after a signal."""
         if self.saver is not None:
-            self.saver.final(reports[0]["version"])
+            clock = comm.invoke(self.plan.all_shards[0], "report").wait()
+            self.saver.final(clock["version"])
+
+    def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
+        """model.pt and the summary, after the final checkpoint; the final evaluation is
+        skipped when a signal stopped the run."""
+        reports = comm.wait_all([comm.invoke(r, "report") for r in self.plan.all_shards])
         state = outputs.gather(self.plan, worker)
         signalled = _STOP_REQUESTED.is_set()
         accuracy = None if signalled else evaluate(state)

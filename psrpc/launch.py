@@ -7,11 +7,15 @@ multirun job still gets fresh processes with no RPC state. The parent waits, and
 - a rank that fails (an exception, or a PS or the chief dying) brings the run down at once:
   every child is terminated and the failing rank's error is raised;
 - a non-chief worker killed by a signal is lost, not fatal: the others go on;
-- SIGINT/SIGTERM to the parent terminate every child; no process outlives the launcher.
+- SIGINT/SIGTERM to the parent: every child gets SIGTERM, the chief stops at its next step and
+  commits a final checkpoint, and the launcher waits for every child to leave by itself (up to
+  SIGNAL_GRACE_S; a second signal kills them at once). The launcher exits only once every
+  process it started is gone, multiprocessing's helpers included.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import multiprocessing as mp
@@ -20,6 +24,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -31,8 +36,12 @@ from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
 
 log = logging.getLogger("psrpc")
-SIGNAL_GRACE_S = 8.0  # user's SIGTERM/SIGINT: room for the chief's final checkpoint
+# User's SIGTERM/SIGINT: how long the chief gets to end its step, commit the final checkpoint
+# and write model.pt before every child is killed (a few seconds normally; the final evaluation
+# is skipped). torchrun gives 30 s between its SIGTERM and SIGKILL: the same here.
+SIGNAL_GRACE_S = 30.0
 FAILURE_GRACE_S = 2.0  # a rank failed: nothing to save consistently, end quickly
+HELPER_STOP_S = 5.0  # the forkserver and resource tracker leave in milliseconds once told
 
 
 class ClusterFailed(PsrpcError):
@@ -115,7 +124,36 @@ def process_context():
     ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker"])
     with env_defaults():  # the server and every rank forked from it; not this process
         forkserver.ensure_running()
+    if not _HELPERS_STOP_AT_EXIT:
+        _HELPERS_STOP_AT_EXIT.append(True)
+        atexit.register(stop_helpers)
     return ctx
+
+
+_HELPERS_STOP_AT_EXIT: list[bool] = []
+
+
+def stop_helpers() -> None:
+    """Stop multiprocessing's forkserver and resource tracker, the launcher's own children, and
+    wait for them (at exit: they are shared by every run and multirun job of this process).
+    Left alone they leave only after the launcher has gone. multiprocessing has no public
+    call for this: its private `_stop` when present, bounded; a helper still there is killed."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper, pid_attr in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid"),
+                             (getattr(resource_tracker, "_resource_tracker", None), "_pid")):
+        pid, stop = getattr(helper, pid_attr, None), getattr(helper, "_stop", None)
+        if pid is None or stop is None:
+            continue
+        waiter = threading.Thread(target=stop, daemon=True)  # os.waitpid has no timeout
+        waiter.start()
+        waiter.join(HELPER_STOP_S)
+        if waiter.is_alive():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            waiter.join(HELPER_STOP_S)
 
 
 def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
@@ -162,8 +200,8 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
             time.sleep(0.05)
         return lost
     finally:
+        _terminate(procs.values(), SIGNAL_GRACE_S if stop.received else FAILURE_GRACE_S, stop)
         stop.restore()
-        _terminate(procs.values(), SIGNAL_GRACE_S if stop.received else FAILURE_GRACE_S)
         shutil.rmtree(errors, ignore_errors=True)
 
 
@@ -188,18 +226,26 @@ def _failure(name: str, exitcode: int, error_file: Path) -> str:
     return f"{name} failed: {text}" if text else f"{name} died ({_describe(exitcode)})"
 
 
-def _terminate(procs, grace_s: float) -> None:
-    """SIGTERM every live child, then SIGKILL what is left after `grace_s`."""
+def _terminate(procs, grace_s: float, signals: "_Signals") -> None:
+    """SIGTERM every live child and wait for all of them to leave by themselves (the chief
+    commits its final checkpoint, then tells the others to stop); SIGKILL what is left after
+    `grace_s`, or at once when another signal arrives meanwhile. Returns once every child is
+    gone."""
     alive = [p for p in procs if p.pid is not None and p.exitcode is None]
     for p in alive:
         p.terminate()
     deadline = time.monotonic() + grace_s
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
+    seen = signals.count
+    while any(p.exitcode is None for p in alive) and time.monotonic() < deadline:
+        if signals.count > seen:
+            log.warning("second signal: killing every process now")
+            break
+        time.sleep(0.05)
     for p in alive:
         if p.exitcode is None:
             p.kill()
-            p.join(5)
+    for p in alive:
+        p.join(5)  # SIGKILL cannot be ignored: this reaps them
 
 
 class _Signals:
@@ -207,6 +253,7 @@ class _Signals:
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.count = 0  # signals received so far
         self._old = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -216,6 +263,7 @@ class _Signals:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+        self.count += 1
 
     def check(self) -> None:
         if self.received is not None:

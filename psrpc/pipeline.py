@@ -43,7 +43,7 @@ from psrpc.layout import Layout
 from psrpc.models import build_model
 from psrpc.shard import WIRE_DTYPES, Reply
 from psrpc.topology import Topology
-from psrpc.worker import Plan, Replica, ShardClient, pick_device
+from psrpc.worker import Plan, Replica, ShardClient, load_buffers, pick_device
 
 _NO_PARAMS = torch.empty(0)
 
@@ -111,11 +111,13 @@ class Stage:
     """Layers [a, b) of the model on one worker, with their flat buffers and shard client."""
 
     def __init__(self, cfg: Config, stage: int, cuts: list[int], layout: Layout, shards: list,
-                 replica: int, local_rank: int, worker: int, restart_count: int):
+                 replica: int, local_rank: int, worker: int, restart_count: int,
+                 buffers: Optional[dict[str, torch.Tensor]] = None):
         self.device = pick_device(cfg.train.device, local_rank)
         image_shape, classes = data_shape(cfg.data)
         self.module = stage_module(build_model(cfg.model.name, image_shape, classes), cuts,
                                    stage).to(self.device)
+        load_buffers(self.module, buffers)  # restored: the checkpoint's, for this stage's layers
         self.named = list(self.module.named_parameters())
         self.params = [p for _, p in self.named]
         self._leaves: dict[int, list[torch.Tensor]] = {}  # micro-batch -> its parameter leaves
@@ -247,6 +249,7 @@ class PipelineLeader(Replica):
             self.model = self.build_model(cfg, self.data)
         if self.model is not None:
             self.model.to(self.device)
+            load_buffers(self.model, plan.buffers)
         self.microbatches = cfg.parallel.microbatches
         names = topo.stage_workers(self.replica)
         self.stages = []
@@ -254,7 +257,8 @@ class PipelineLeader(Replica):
             rank = topo.rank_of(name)
             self.stages.append(comm.remote(name, Stage, args=(
                 cfg, s, plan.cuts, plan.layouts[s], plan.shards[s], self.replica,
-                topo.local_rank_of(rank), topo.role_of(rank)[1], topo.restart_count)))
+                topo.local_rank_of(rank), topo.role_of(rank)[1], topo.restart_count,
+                plan.buffers)))
         for s in range(len(names) - 1):
             comm.invoke(self.stages[s], "set_next", self.stages[s + 1]).wait()
         self.client = ShardClient(plan.shards[0], self.replica)  # for the staleness clock

@@ -28,7 +28,15 @@ _STOP = threading.Event()
 _GRACEFUL = [True]
 _TERMINATING: list[float] = []  # when SIGTERM/SIGINT arrived
 PING_EVERY_S = 5.0
-TERMINATE_WAIT_S = 8.0  # after SIGTERM, how long a PS or worker waits for the chief's stop
+# After SIGTERM, how long a PS or worker waits for the chief's stop. While the chief still
+# trains it gets STOP_WAIT_S to end its step; a chief stuck longer (say at a sync barrier for a
+# dead worker) is left, so that it fails and the launcher or torchrun can restart the group.
+# Once the chief is finishing, its final checkpoint and model.pt need the shards (and the
+# pipeline stages' buffers): no rank leaves first. TERMINATE_WAIT_S is longer than the local
+# launcher's SIGNAL_GRACE_S and torchrun's 30 s, so those decide, not this timer. A chief that
+# stops answering ends the wait at once.
+STOP_WAIT_S = 8.0
+TERMINATE_WAIT_S = 60.0
 
 
 def stop_serving(graceful: bool) -> None:
@@ -175,14 +183,17 @@ def _wait_for_stop(topo: Topology) -> bool:
     from psrpc import chief
 
     while not _STOP.wait(1.0 if _TERMINATING else PING_EVERY_S):
-        if _TERMINATING and time.monotonic() - _TERMINATING[0] > TERMINATE_WAIT_S:
-            log.warning("no stop from the chief %.0f s after the signal; leaving", TERMINATE_WAIT_S)
-            return False
         try:
-            comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
+            phase = comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
         except Exception as e:
             raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "
                              f"{str(e).splitlines()[0]}") from e
+        if _TERMINATING and not _STOP.is_set():
+            limit = TERMINATE_WAIT_S if phase == "finishing" else STOP_WAIT_S
+            if time.monotonic() - _TERMINATING[0] > limit:
+                log.warning("no stop from the chief (%s) %.0f s after the signal; leaving",
+                            phase, limit)
+                return False
     if not _GRACEFUL[0]:
         time.sleep(0.2)  # let the stop's acknowledgement leave before the agent goes down
     return _GRACEFUL[0]

@@ -1,7 +1,13 @@
 """The chief's checkpoint saver hook: every `checkpoint.every_steps` global steps (the shards save
 those by themselves), every `checkpoint.every_s` seconds (the chief asks for a step a little
-ahead), and at the end. Once every shard has written step N, the chief writes N's manifest: the
-commit point. Manifests are written by one background thread, in order, off the training path.
+ahead), and at the end. Once every shard has written step N, the chief writes the buffers of its
+replica at step N (BatchNorm statistics: model state that no shard holds), then N's manifest: the
+commit point. Files are written by one background thread, in order, off the training path.
+
+Buffers of step N are taken on the training thread when the chief first reaches step N (in
+`after_step`): in sync training that is after its forward of batch N-1 and before that of batch
+N, exactly the state a run restored from step N starts with. In async training the chief may
+see the step jump past N; it then takes its buffers at the first step it sees at or past N.
 """
 
 from __future__ import annotations
@@ -10,19 +16,23 @@ import logging
 import time
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from concurrent.futures import TimeoutError as PyTimeout
+from typing import Callable, Optional
 
 from psrpc import checkpoint, comm
+from psrpc.config import rpc_timeout_s
 from psrpc.hooks import Hook, StepInfo
 
 log = logging.getLogger("psrpc")
 
 
 class CheckpointSaver(Hook):
-    def __init__(self, cfg, plan, start_step: int, margin: int):
+    def __init__(self, cfg, plan, start_step: int, margin: int,
+                 buffers: Callable[[], dict] = dict, wait_s: float = 60.0):
         ck = cfg.checkpoint
         self.root, self.every_steps, self.every_s, self.keep = ck.dir, ck.every_steps, ck.every_s, ck.keep
         self.shards, self.layout = plan.all_shards, plan.layout
+        self.start = start_step  # 0, or the step this run restored from
         self.margin = margin  # steps ahead a time-based save is asked for
         self.extra = {"model": cfg.model.name, "optim": cfg.optim.name,
                       "update": cfg.update.name, "num_workers": cfg.cluster.num_workers}
@@ -30,6 +40,11 @@ class CheckpointSaver(Hook):
         self._last_time = time.monotonic()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chief-manifest")
         self._asked: dict[int, PyFuture] = {}
+        self.buffers = buffers  # () -> the chief's replica's buffers, CPU copies
+        self._buffers: dict[int, PyFuture] = {}  # asked step -> its buffers, until reached
+        # How long a manifest waits for the chief to reach its step once the shards have saved
+        # it: about one chief step normally; the bound keeps a failed chief from hanging here.
+        self.wait_s = wait_s
 
     def after_step(self, info: StepInfo) -> None:
         while self._next is not None and info.step >= self._next:
@@ -41,15 +56,45 @@ class CheckpointSaver(Hook):
             # uncommitted ones pruned) in increasing order.
             ahead = info.step + self.margin
             self.save(ahead if self._next is None else min(ahead, self._next))
+        self._capture(info.step)
+
+    def _capture(self, step: int) -> None:
+        """Buffers for every asked step the chief has reached (one copy shared by all). Runs
+        on the training thread only, as everything that touches `_buffers` does."""
+        due = [s for s in self._buffers if s <= step]
+        if due:
+            state = self.buffers()
+            for s in due:
+                self._buffers.pop(s).set_result(state)
 
     def save(self, step: int) -> PyFuture:
         """Ask every shard for step `step`; the manifest follows once all have written it."""
         if step not in self._asked:
-            futures = [comm.invoke(r, "request_save", step) for r in self.shards]
-            self._asked[step] = self._pool.submit(self._commit, step, futures)
+            if checkpoint.is_committed(self.root, step):
+                self._asked[step] = self._keep_committed(step)
+            else:
+                futures = [comm.invoke(r, "request_save", step) for r in self.shards]
+                self._buffers[step] = PyFuture()
+                self._asked[step] = self._pool.submit(self._commit, step, futures,
+                                                      self._buffers[step])
         return self._asked[step]
 
-    def _commit(self, step: int, futures) -> bool:
+    def _keep_committed(self, step: int) -> PyFuture:
+        """A committed step is never rewritten (a crash halfway would leave it half old, half
+        new): the step this run restored from is already what it would save; any other is an
+        earlier run's that the restore skipped, left alone for whoever wants to look at it."""
+        folder = checkpoint.step_dir(self.root, step)
+        if step == self.start:
+            log.info("checkpoint step %d: this run started from %s; kept as it is", step, folder)
+        else:
+            log.warning("checkpoint step %d not made: %s already holds a committed checkpoint "
+                        "(from an earlier run); committed steps are never overwritten",
+                        step, folder)
+        done: PyFuture = PyFuture()
+        done.set_result(False)
+        return done
+
+    def _commit(self, step: int, futures, buffers: PyFuture) -> bool:
         infos = [f.wait() for f in futures]
         missing = [f"ps{self.layout.shard_ps[k]}/shard{k}"  # shard k is not always on ps{k}
                    for k, info in enumerate(infos) if info is None]
@@ -57,7 +102,20 @@ class CheckpointSaver(Hook):
             log.info("checkpoint step %d not made (%s did not save it); keeping the last one",
                      step, ", ".join(missing))
             return False
-        checkpoint.write_manifest(self.root, step, self.layout, infos, self.extra)
+        try:
+            state = buffers.result(timeout=self.wait_s)
+        except PyTimeout:
+            state = None
+        if state is None:
+            log.warning("checkpoint step %d not made: the chief did not reach it within %.0f s "
+                        "to add its buffers; keeping the last one", step, self.wait_s)
+            return False
+        try:
+            entry = checkpoint.save_buffers(self.root, step, state)
+            checkpoint.write_manifest(self.root, step, self.layout, infos, self.extra, entry)
+        except checkpoint.StepCommitted as e:
+            log.warning("checkpoint step %d not made: %s", step, e)
+            return False
         checkpoint.prune(self.root, self.keep, step)
         log.info("checkpoint step %d saved in %s", step, checkpoint.step_dir(self.root, step))
         return True
@@ -65,13 +123,18 @@ class CheckpointSaver(Hook):
     def final(self, step: int) -> None:
         """The last checkpoint, at the step training ended on; waits for every manifest."""
         self.save(step)
+        self._capture(step)
+        for fut in self._buffers.values():  # asked past the end: the shards answer None too
+            fut.set_result(None)
+        self._buffers.clear()
         for fut in list(self._asked.values()):
             fut.result()
         self._pool.shutdown(wait=True)
 
 
-def build_saver(cfg, plan, start_step: int) -> Optional[CheckpointSaver]:
+def build_saver(cfg, plan, start_step: int, buffers: Callable[[], dict]
+                ) -> Optional[CheckpointSaver]:
     if not cfg.checkpoint.dir:
         return None
     margin = 1 if cfg.update.name == "sync" else 2 * cfg.cluster.num_workers
-    return CheckpointSaver(cfg, plan, start_step, margin)
+    return CheckpointSaver(cfg, plan, start_step, margin, buffers, rpc_timeout_s(cfg))

@@ -74,6 +74,9 @@ class ShardSnapshots:
     def _write(self, state: dict, fut: torch.futures.Future) -> None:
         try:
             info = checkpoint.save_shard(self.root, state)
+        except checkpoint.StepCommitted as e:
+            log.warning("%s: step %d not saved: %s", self.name, state["version"], e)
+            info = None
         except Exception as e:  # a failed save must not stop training; the chief skips it
             log.error("%s: could not save step %d: %s", self.name, state["version"], e)
             info = None

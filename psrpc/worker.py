@@ -39,6 +39,7 @@ class Plan:
     shards: list[list]  # shards[s][k]: RRef of stage s's shard k (on ps{layouts[s].shard_ps[k]})
     cuts: list[int]  # index of each stage's first layer (data parallel: [0])
     restored_from_step: Optional[int] = None
+    buffers: Optional[dict[str, torch.Tensor]] = None  # restored buffers, full-model names
 
     @property
     def layout(self) -> Layout:
@@ -104,6 +105,18 @@ class ShardClient:
     def pull(self) -> list[Reply]:
         return self.wait([comm.invoke(rref, "pull", timeout_s=self.timeout_s)
                           for rref in self.shards])
+
+
+def load_buffers(module: torch.nn.Module, buffers: Optional[dict[str, torch.Tensor]]) -> None:
+    """A restored checkpoint's buffers (BatchNorm statistics, saved from the chief's replica)
+    into `module` (a whole model or a pipeline stage, named as in the whole model). Every
+    replica loads the chief's, as DDP broadcasts rank 0's: they take no part in the gradients,
+    only in evaluation and model.pt, which come from the chief."""
+    if buffers is None:
+        return
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            buf.copy_(buffers[name])
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
@@ -176,6 +189,7 @@ class Worker(Replica):
         super().__init__(cfg, topo, plan, dataset)
         self.index = topo.index
         self.model = (model or self.build_model(cfg, self.data)).to(self.device)
+        load_buffers(self.model, plan.buffers)
         self.flat = FlatModel(self.model, plan.layouts[0], self.device,
                               WIRE_DTYPES[cfg.update.wire_dtype])
         self.client = ShardClient(plan.shards[0], self.index)

@@ -1,0 +1,169 @@
+"""What a well-formed checkpoint looks like, checked before anything of it is restored.
+
+A manifest or shard file comes from disk: an older version, a crash, a hand edit or another
+program may have left anything there. Each check returns what is wrong (None: nothing), so that
+`checkpoint.find_latest` can skip the step with a warning naming the file instead of failing
+somewhere deep in the restore with a KeyError.
+
+    manifest.json  {"format", "step", "num_shards", "layout", "files": [entry per shard],
+                    "buffers": entry (optional: older checkpoints have none), ...}
+    entry          {"file": "shard-K.pt" | "buffers.pt", "bytes": int >= 0, "sha256": 64 hex}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional
+
+import torch
+
+from psrpc.layout import Layout
+
+FORMAT = "psrpc-checkpoint-1"
+REQUIRED = ("format", "step", "num_shards", "layout", "files")
+_SHA256 = re.compile(r"[0-9a-f]{64}$")
+
+
+def shard_file(k: int) -> str:
+    return f"shard-{k}.pt"
+
+
+BUFFERS_FILE = "buffers.pt"
+
+
+def _is_int(x: Any, low: int = 0) -> bool:
+    return type(x) is int and x >= low  # bool is an int subclass: not a count
+
+
+def entry_problem(entry: Any, expected_name: str) -> Optional[str]:
+    """A file entry: a bare file name (never a path: `../x`, `/etc/x`, `a/b` would read files
+    outside the step's folder), its size and its sha256."""
+    if not isinstance(entry, dict):
+        return f"an entry is {type(entry).__name__}, expected an object"
+    for key in ("file", "bytes", "sha256"):
+        if key not in entry:
+            return f"an entry has no {key!r}"
+    name = entry["file"]
+    if not isinstance(name, str) or name != expected_name:
+        return f"file {name!r}, expected {expected_name!r}"
+    if not _is_int(entry["bytes"]):
+        return f"{name}: bytes {entry['bytes']!r}, expected an integer >= 0"
+    if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]):
+        return f"{name}: sha256 {entry['sha256']!r}, expected 64 hex digits"
+    return None
+
+
+def manifest_problem(m: Any, step: int) -> tuple[Optional[str], Optional[Layout]]:
+    """(what is wrong, None) or (None, the layout) for a parsed manifest of folder step-`step`."""
+    if not isinstance(m, dict):
+        return f"holds {type(m).__name__}, expected an object", None
+    missing = [k for k in REQUIRED if k not in m]
+    if missing:
+        return f"missing key {missing[0]!r}", None
+    if m["format"] != FORMAT:
+        return f"format {m['format']!r}, expected {FORMAT!r}", None
+    if not _is_int(m["step"]) or m["step"] != step:
+        return f"step {m['step']!r} but the folder is step-{step}", None
+    n = m["num_shards"]
+    if not _is_int(n, 1):
+        return f"num_shards {n!r}, expected an integer >= 1", None
+    files = m["files"]
+    if not isinstance(files, list) or len(files) != n:
+        got = f"{len(files)} entries" if isinstance(files, list) else type(files).__name__
+        return f"files has {got}, expected a list of num_shards={n}", None
+    for k, entry in enumerate(files):
+        problem = entry_problem(entry, shard_file(k))
+        if problem:
+            return f"files[{k}]: {problem}", None
+    if "buffers" in m:
+        problem = entry_problem(m["buffers"], BUFFERS_FILE)
+        if problem:
+            return f"buffers: {problem}", None
+    try:
+        layout = Layout.from_dict(m["layout"])
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        return f"layout is unreadable ({type(e).__name__}: {e})", None
+    problem = layout_problem(layout)
+    if problem is None and layout.num_shards != n:
+        problem = f"{layout.num_shards} shards, num_shards says {n}"
+    return (f"layout: {problem}", None) if problem else (None, layout)
+
+
+def layout_problem(layout: Layout) -> Optional[str]:
+    """Every piece inside its tensor and its shard, and every element of both covered once
+    (so that join and split cannot fail on it)."""
+    shapes = layout.shapes
+    for name, shape in shapes.items():
+        if not isinstance(name, str) or not all(_is_int(d) for d in shape):
+            return f"tensor {name!r} has shape {shape!r}"
+    if not all(_is_int(x) for x in layout.shard_numel + layout.shard_ps) \
+            or len(layout.shard_ps) != len(layout.shard_numel):
+        return "shard_numel/shard_ps are not lists of integers >= 0 of the same length"
+    covered = {name: 0 for name in shapes}
+    filled = [0] * layout.num_shards
+    for p in layout.pieces:
+        if p.name not in shapes:
+            return f"a piece names unknown tensor {p.name!r}"
+        shape = shapes[p.name]
+        rows = shape[0] if shape else 1
+        ints = all(_is_int(x) for x in (p.row_start, p.row_end, p.shard, p.offset, p.numel))
+        if not ints or not p.row_start < p.row_end <= rows or p.shard >= layout.num_shards \
+                or p.numel != (p.row_end - p.row_start) * math.prod(shape[1:]) \
+                or p.offset + p.numel > layout.shard_numel[p.shard]:
+            return f"piece {p} does not fit its tensor {shape} or its shard"
+        covered[p.name] += p.numel
+        filled[p.shard] += p.numel
+    for name, shape in shapes.items():
+        if covered[name] != math.prod(shape):
+            return f"the pieces of {name!r} cover {covered[name]} of {math.prod(shape)} elements"
+    if filled != list(layout.shard_numel):
+        return f"the pieces fill {filled} elements per shard, shard_numel says " \
+               f"{list(layout.shard_numel)}"
+    return None
+
+
+def shard_state_problem(state: Any, k: int, step: int, numel: int,
+                        optim_keys: Optional[set] = None) -> Optional[str]:
+    """A loaded shard file: shard k of step `step`, `numel` float32 parameters, optimizer
+    state for its one tensor (per-element tensors of the same length; the same keys on every
+    shard: `optim_keys`, shard 0's)."""
+    if not isinstance(state, dict):
+        return f"holds {type(state).__name__}, expected a dict"
+    for key in ("format", "shard", "version", "params", "optimizer"):
+        if key not in state:
+            return f"missing key {key!r}"
+    if state["format"] != FORMAT or state["shard"] != k or state["version"] != step:
+        return (f"format/shard/version {state['format']!r}/{state['shard']!r}/"
+                f"{state['version']!r}, the manifest says {FORMAT!r}/{k}/{step}")
+    params = state["params"]
+    if not torch.is_tensor(params) or params.dtype != torch.float32 or params.dim() != 1 \
+            or params.numel() != numel:
+        return f"params are not {numel} float32 elements (the manifest's layout)"
+    optim = state["optimizer"]
+    per_param = optim.get("state") if isinstance(optim, dict) else None
+    if not isinstance(per_param, dict) or not set(per_param) <= {0} \
+            or not all(isinstance(v, dict) for v in per_param.values()):
+        return "optimizer state is not {'state': {0: {...}}} (one flat tensor)"
+    values = per_param.get(0, {})
+    if optim_keys is not None and set(values) != optim_keys:
+        return f"optimizer state keys {sorted(values)}, shard 0 has {sorted(optim_keys)}"
+    for key, value in values.items():
+        if torch.is_tensor(value) and value.dim() >= 1 and value.shape != (numel,):
+            return f"optimizer state {key!r} has shape {tuple(value.shape)}, expected ({numel},)"
+    stats = state.get("stats", {})
+    if not isinstance(stats, dict) or not all(
+            type(v) in (int, float) or isinstance(v, dict) for v in stats.values()):
+        return "stats is not a dict of counters"
+    return None
+
+
+def buffers_problem(saved: Any, step: int) -> Optional[str]:
+    """A loaded buffers.pt: {"format", "step", "buffers": {name: tensor}}."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("step") != step:
+        return f"not the buffers of step {step} in format {FORMAT!r}"
+    buffers = saved.get("buffers")
+    if not isinstance(buffers, dict) or not all(
+            isinstance(n, str) and torch.is_tensor(b) for n, b in buffers.items()):
+        return "buffers is not a dict of named tensors"
+    return None
