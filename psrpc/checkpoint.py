@@ -265,10 +265,11 @@ def reshard(restored: Restored, new: Layout) -> tuple[list[torch.Tensor], list[d
 
 
 # Counters every shard keeps alike (each one applies every accepted push), and per-shard event
-# counters that the summary adds up or takes the maximum of across shards.
+# counters that the summary takes the maximum of across shards (a push whose gradient is
+# non-finite is rejected by every shard its non-finite part reaches: once per push, not per
+# shard).
 _SHARED_COUNTERS = ("applied_pushes", "samples", "per_worker_applied")
-_SUMMED_COUNTERS = ("nan_rejected",)
-_MAX_COUNTERS = ("staleness_max",)
+_MAX_COUNTERS = ("nan_rejected", "staleness_max")
 
 
 def shard_stats(restored: Restored, new: Layout) -> list[Optional[dict]]:
@@ -276,7 +277,7 @@ def shard_stats(restored: Restored, new: Layout) -> list[Optional[dict]]:
 
     Same layout: each shard continues its own. Another layout: a shard's own history cannot be
     split or merged, so the new shard 0 (the clock shard, whose counters the summary reports)
-    takes the old shard 0's, plus every old shard's rejections and largest staleness; the other
+    takes the old shard 0's, with the largest rejection count and staleness of any old shard; the other
     new shards take only the counters every shard shares."""
     saved = [s.get("stats") for s in restored.shards]
     if any(s is None for s in saved):  # written before counters were saved
@@ -284,8 +285,6 @@ def shard_stats(restored: Restored, new: Layout) -> list[Optional[dict]]:
     if restored.layout == new:
         return [dict(s) for s in saved]
     first = dict(saved[0])
-    for key in _SUMMED_COUNTERS:
-        first[key] = sum(s.get(key, 0) for s in saved)
     for key in _MAX_COUNTERS:
         first[key] = max(s.get(key, 0) for s in saved)
     shared = {k: saved[0][k] for k in _SHARED_COUNTERS if k in saved[0]}

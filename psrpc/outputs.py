@@ -71,7 +71,7 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "final_loss": _round(r0["loss"], 6),
         "test_accuracy": _round(accuracy, 6),
         "stale_dropped": r0["stale_dropped"],
-        "nan_rejected": sum(r["nan_rejected"] for r in reports),
+        "nan_rejected": max(r["nan_rejected"] for r in reports),  # pushes, not shards
         "max_staleness": max(r["max_staleness"] for r in reports),
         "mean_staleness": _round(r0["mean_staleness"], 4),
         "workers_lost": len(lost),
