@@ -40,7 +40,7 @@ log = logging.getLogger("psrpc")
 # and write model.pt before every child is killed (a few seconds normally; the final evaluation
 # is skipped). torchrun gives 30 s between its SIGTERM and SIGKILL: the same here.
 SIGNAL_GRACE_S = 30.0
-FAILURE_GRACE_S = 2.0  # a rank failed: nothing to save consistently, end quickly
+FAILURE_GRACE_S = 0.0  # a rank failed (or the run timed out): SIGKILL at once, no outputs as if done
 HELPER_STOP_S = 5.0  # the forkserver and resource tracker leave in milliseconds once told
 
 
@@ -229,11 +229,12 @@ def _failure(name: str, exitcode: int, error_file: Path) -> str:
 def _terminate(procs, grace_s: float, signals: "_Signals") -> None:
     """SIGTERM every live child and wait for all of them to leave by themselves (the chief
     commits its final checkpoint, then tells the others to stop); SIGKILL what is left after
-    `grace_s`, or at once when another signal arrives meanwhile. Returns once every child is
-    gone."""
+    `grace_s` (at once with 0: a failed run writes no outputs as if it had finished), or when
+    another signal arrives meanwhile. Returns once every child is gone."""
     alive = [p for p in procs if p.pid is not None and p.exitcode is None]
     for p in alive:
-        p.terminate()
+        if grace_s > 0:
+            p.terminate()
     deadline = time.monotonic() + grace_s
     seen = signals.count
     while any(p.exitcode is None for p in alive) and time.monotonic() < deadline:
