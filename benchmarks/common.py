@@ -28,19 +28,13 @@ def bench_config(name: str, argv: list[str]):
         return compose(name, overrides=argv)
 
 
-def psrpc_config(overrides: list[str]):
-    """The typed psrpc Config that `python -m psrpc <overrides>` would run."""
-    from hydra import compose, initialize_config_dir
+def psrpc_config(overrides: list[str], **factories):
+    """The typed psrpc Config that `python -m psrpc <overrides>` would run, checked."""
+    from psrpc.api import compose
+    from psrpc.factories import check_run
 
-    from psrpc.config import register_configs, resolve_paths, to_config, validate
-    from psrpc.pipeline import check_model_parallel
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=list(overrides)))
-    resolve_paths(cfg, str(ROOT))
-    validate(cfg)
-    check_model_parallel(cfg)
+    cfg = compose(list(overrides), cwd=str(ROOT), **factories)
+    check_run(cfg)
     return cfg
 
 

@@ -1,8 +1,8 @@
 """The peers psrpc is measured against, run with the same model, data, batch and threads:
 single-process training and PyTorch DDP over gloo.
 
-Both reuse psrpc's own data order (DESIGN §4), model registry and optimizer builder, so the only
-difference from a psrpc run is how gradients are combined. Each returns steady-state samples/s;
+Both reuse psrpc's own data order and loader, model, loss and metric factories and optimizer
+builder, so the only difference from a psrpc run is how gradients are combined. Each returns steady-state samples/s;
 DDP can also stop at a target test accuracy (time to accuracy, evaluation time included).
 """
 
@@ -14,11 +14,11 @@ import time
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from psrpc import factories
 from psrpc.config import Config
-from psrpc.data import GlobalBatches, load_dataset
-from psrpc.models import build_model
+from psrpc.data import GlobalBatches
+from psrpc.loader import StepBatches, fetch
 from psrpc.optim import build_optimizer
 
 
@@ -28,30 +28,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def accuracy(model, split, batch: int = 1000) -> float:
+def test_metric(model, cfg: Config, data, batch: int = 1000) -> float:
+    """The config's test metric (accuracy by default) of `model`."""
+    metric = factories.build_metric(cfg, data)
     model.eval()
     with torch.no_grad():
-        correct = sum(int((model(split.x[i:i + batch]).argmax(1) == split.y[i:i + batch]).sum())
-                      for i in range(0, len(split), batch))
+        for i in range(0, len(data.test), batch):
+            x, y = fetch(data.test, torch.arange(i, min(i + batch, len(data.test))))
+            metric.update(model(x), y)
     model.train()
-    return correct / len(split)
+    value = metric.compute()
+    return next(iter(value.values())) if isinstance(value, dict) else value
+
+
+def _setup(cfg: Config, world: int, rank: int):
+    """What every peer process builds, as a psrpc worker would: data, model, loss, batches."""
+    torch.manual_seed(cfg.train.seed)
+    data = factories.load_data(cfg)
+    model = factories.build_model(cfg, data)
+    loss_fn = factories.build_loss(cfg, data)
+    B = cfg.train.batch_size
+    batches = StepBatches(data.train, GlobalBatches(len(data.train), world * B, cfg.train.seed),
+                          rank, B, torch.device("cpu"), cfg.data.get("num_workers", 0),
+                          cfg.train.seed)
+    return data, model, loss_fn, batches
 
 
 def single_process(cfg: Config) -> dict:
     """One process, batch train.batch_size, all the threads."""
     torch.set_num_threads(os.cpu_count())
-    torch.manual_seed(cfg.train.seed)
-    data = load_dataset(cfg.data, cfg.train.seed)
-    model = build_model(cfg.model.name, data.image_shape, data.num_classes)
+    data, model, loss_fn, batches = _setup(cfg, 1, 0)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
     B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
-    batches = GlobalBatches(len(data.train), B, cfg.train.seed)
     for step in range(steps):
         if step == warm:
             t0 = time.perf_counter()
-        idx = batches.slice_for(step, 0, B)
+        x, y = batches.get(step)
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(data.train.x[idx]), data.train.y[idx]).backward()
+        loss_fn(model(x), y).backward()
         opt.step()
     elapsed = time.perf_counter() - t0
     return {"samples_per_s": (steps - warm) * B / elapsed, "wall_s": elapsed}
@@ -65,26 +79,24 @@ def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    torch.manual_seed(cfg.train.seed)
-    data = load_dataset(cfg.data, cfg.train.seed)
-    model = DDP(build_model(cfg.model.name, data.image_shape, data.num_classes))
+    data, model, loss_fn, batches = _setup(cfg, world, rank)
+    model = DDP(model)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
     B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
-    batches = GlobalBatches(len(data.train), world * B, cfg.train.seed)
     stop = torch.zeros(1)
     reached, t0 = None, time.perf_counter()
     for step in range(steps):
         if step == warm:
             t0 = time.perf_counter()
-        idx = batches.slice_for(step, rank, B)
+        x, y = batches.get(step)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(data.train.x[idx]), data.train.y[idx])
+        loss = loss_fn(model(x), y)
         if rank == slow_rank and slow_s:
             time.sleep(slow_s)  # the same straggler as psrpc's fault.slow_worker
         loss.backward()
         opt.step()
         if target is not None and (step + 1) % eval_every == 0:
-            if rank == 0 and accuracy(model.module, data.test) >= target:
+            if rank == 0 and test_metric(model.module, cfg, data) >= target:
                 stop.fill_(1)
             dist.broadcast(stop, 0)  # the others wait for rank 0's evaluation
             if stop.item():

@@ -166,24 +166,23 @@ class BitsPerByte:
 
 
 class Sample(Hook):
-    """At the end: load the trained model.pt and print (and save) a generated sample."""
+    """At the end: load the trained model.pt into a fresh model (as the config builds it) and
+    log (and save to sample.txt) text it generates."""
 
-    def __init__(self, path: str, block: int = 64, dim: int = 64, layers: int = 2,
-                 heads: int = 4, length: int = 300, prompt: str = ""):
-        self.path, self.length, self.prompt = path, length, prompt
-        self.model = CharGPT(block, dim, layers, heads)
-        self.out_dir = None
+    def __init__(self, length: int = 300, prompt: str = "", temperature: float = 0.8):
+        self.length, self.prompt, self.temperature = length, prompt, temperature
+        self.run = None
 
     def begin(self, run) -> None:
-        self.out_dir = run.out_dir
+        self.run = run
 
     def end(self, summary: dict) -> None:
         import logging
 
-        state = torch.load(Path(self.out_dir) / "model.pt", weights_only=True)
-        self.model.load_state_dict(state)
-        self.model.eval()
-        text = self.model.generate(self.prompt.encode(), self.length).decode(errors="replace")
-        (Path(self.out_dir) / "sample.txt").write_text(text)
-        logging.getLogger("psrpc").info("sample (%d bytes, also in sample.txt):\n%s%s",
-                                        self.length, self.prompt, text)
+        model = self.run.make_model()
+        model.load_state_dict(torch.load(Path(self.run.out_dir) / "model.pt", weights_only=True))
+        model.eval()
+        text = model.generate(self.prompt.encode(), self.length, self.temperature)
+        text = text.decode(errors="replace")
+        (Path(self.run.out_dir) / "sample.txt").write_text(self.prompt + text)
+        logging.getLogger("psrpc").info("sample (also in sample.txt):\n%s%s", self.prompt, text)

@@ -3,6 +3,8 @@
 Entry points: `python -m psrpc [overrides]`, `torchrun ... -m psrpc [overrides]`, and Hydra
 multirun (`python -m psrpc -m ...`). See README.md and docs/.
 
+From Python: `psrpc.train(overrides, model=..., data=...)` (psrpc/api.py).
+
 Importing psrpc changes nothing in the importing program (no logging setup, no environment).
 """
 
@@ -39,3 +41,12 @@ def env_defaults():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def __getattr__(name: str):
+    """`psrpc.train` and `psrpc.compose`, imported on first use (importing psrpc stays light)."""
+    if name in ("train", "compose"):
+        from psrpc import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'psrpc' has no attribute {name!r}")

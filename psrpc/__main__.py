@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from psrpc.config import register_configs, resolve_paths, stages, to_config, validate
 from psrpc.errors import PsrpcError
-from psrpc.pipeline import check_model_parallel
+from psrpc.factories import check_run
 from psrpc.topology import Topology
 
 
@@ -56,7 +56,7 @@ def main(dcfg: DictConfig) -> None:
         cfg = to_config(dcfg)
         resolve_paths(cfg)
         validate(cfg)
-        check_model_parallel(cfg)
+        check_run(cfg)
         out_dir = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
         topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg),
                                  cfg.cluster.interface)

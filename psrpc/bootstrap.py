@@ -15,11 +15,11 @@ import torch
 
 from psrpc import checkpoint, comm
 from psrpc.config import Config
-from psrpc.data import load_dataset
+from psrpc.factories import load_data
 from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
 from psrpc.layout import Layout
-from psrpc.pipeline import cut_points, stage_shapes
+from psrpc.pipeline import model_cuts, stage_shapes
 from psrpc.shard import Shard, ShardSpec, ShardStats
 from psrpc.topology import Topology
 from psrpc.worker import Plan
@@ -31,7 +31,7 @@ def bootstrap(cfg: Config, topo: Topology, worker_cls):
     """Build the model (seeded) or restore the newest checkpoint, create the shards on the PS
     (per pipeline stage in model-parallel mode). Returns (plan, model, dataset)."""
     torch.manual_seed(cfg.train.seed)
-    dataset = load_dataset(cfg.data, cfg.train.seed)
+    dataset = load_data(cfg)
     model = worker_cls.build_model(cfg, dataset)
     cuts, layouts = plan_layouts(cfg, topo, model)
     layout = Layout.concat(layouts)
@@ -41,7 +41,7 @@ def bootstrap(cfg: Config, topo: Topology, worker_cls):
     shards = create_shards(cfg, topo, layouts, flats, states, restored)
     plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers)
     log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
-             sum(layout.shard_numel), layout.num_shards,
+             sum(p.numel for p in layout.pieces), layout.num_shards,
              "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
              f" ({topo.replicas} replicas × {len(cuts)} stages, cuts {cuts})"
              if len(cuts) > 1 else "", cfg.update.name)
@@ -53,7 +53,7 @@ def plan_layouts(cfg: Config, topo: Topology, model) -> tuple[list[int], list[La
     if cfg.parallel.name == "data":
         cuts, shapes = [0], [{n: tuple(p.shape) for n, p in model.named_parameters()}]
     else:
-        cuts = cut_points(model, cfg.parallel.stages, cfg.parallel.split)
+        cuts = model_cuts(model, cfg)
         shapes = stage_shapes(model, cuts)
     return cuts, [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes,
                               cfg.cluster.bucket_bytes) for sh in shapes]

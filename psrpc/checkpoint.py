@@ -67,7 +67,7 @@ def _make_dirs(folder: Path) -> None:
         _fsync_dir(new.parent)
 
 
-def _write_atomic(path: Path, data: bytes, exclusive: bool = False) -> None:
+def write_atomic(path: Path, data: bytes, exclusive: bool = False) -> None:
     """Write to a temporary name, then rename. `exclusive`: fail with FileExistsError rather
     than replace an existing file (a hard link is an atomic create-if-absent)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -122,7 +122,7 @@ def _save(root: Path, step: int, name: str, obj: dict) -> dict:
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
-    _write_atomic(folder / name, data)
+    write_atomic(folder / name, data)
     return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -143,7 +143,7 @@ def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], ext
         manifest["buffers"] = buffers
     folder = step_dir(root, step)
     try:
-        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), exclusive=True)
+        write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), exclusive=True)
     except FileExistsError:
         _refuse_committed(folder)
         raise

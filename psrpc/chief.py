@@ -21,7 +21,8 @@ from psrpc import comm, outputs
 from psrpc.bootstrap import bootstrap
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
-from psrpc.hooks import Hooks, RunContext, StepInfo, Throughput, default_hooks
+from psrpc.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
+                         default_hooks)
 from psrpc.process import STOP_WAIT_S
 from psrpc.saver import build_saver
 from psrpc.shard import Reply
@@ -84,7 +85,8 @@ class Chief:
     def after_step(self, reply: Reply, push_s: float, local_loss: float) -> bool:
         """The worker loop's callback; returns True to end training at once."""
         info = StepInfo(reply.version, reply.loss, reply.samples, reply.stale_dropped,
-                        push_s * 1e3, local_loss=local_loss)
+                        push_s * 1e3, local_loss=local_loss,
+                        epoch=reply.samples / self.train_size)
         self.throughput.after_step(info)
         self.hooks.after_step(info)
         if (info.stop or _STOP_REQUESTED.is_set()) and not (reply.finished or self.stopped_early):
@@ -117,14 +119,27 @@ class Chief:
         t_start = time.perf_counter()
         model, dataset = self.initialise()
         worker = self.worker_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
-        evaluate = outputs.Evaluator(worker, self.cfg.train.eval_batch_size)
+        self.train_size = len(worker.data.train)
+        evaluate = outputs.Evaluator(worker, self.cfg)
         start = self.plan.restored_from_step or 0
         self.saver = build_saver(self.cfg, self.plan, start, worker.buffers)
-        extra = [self.saver] if self.saver else []
-        extra += [_instantiate(h) for h in self.cfg.hooks]
-        self.hooks = Hooks(default_hooks(self.out_dir, self.cfg) + extra)
+        ck = self.cfg.checkpoint
+        self.best = (BestModel(Path(ck.dir) / "best", evaluate.key, evaluate.higher_is_better)
+                     if ck.best and ck.dir else None)
+
+        def evaluate_now():
+            state = outputs.gather(self.plan, worker)
+            return evaluate(state), state
+
+        hooks = default_hooks(self.out_dir, self.cfg)
+        if self.cfg.train.eval_every:
+            hooks.append(Evaluate(self.cfg.train.eval_every, evaluate_now, hooks[0], self.best))
+        hooks += [self.saver] if self.saver else []
+        hooks += [_instantiate(h) for h in self.cfg.hooks]
+        self.hooks = Hooks(hooks)
         self.hooks.begin(RunContext(start, self.cfg.train.steps, self.out_dir,
-                                    lambda: evaluate(outputs.gather(self.plan, worker))))
+                                    lambda: evaluate_now()[0],
+                                    lambda: worker.build_model(self.cfg, worker.data)))
         t_train = time.perf_counter()
         worker.run(self.after_step)
         wall_s = time.perf_counter() - t_train
@@ -176,9 +191,14 @@ class Chief:
         """The checkpoint of the step training ended on. The shards no longer change (finished
         or frozen), so it is taken before waiting for the other workers' reports: a lost worker
         would hold it back by update.timeout_s, longer than a launcher's grace after a signal."""
+        # Every shard at its last step first (tickets may still be in flight to some)
+        timeout = self.cfg.update.timeout_s + 5  # a ticket that never comes is skipped by then
+        steps = comm.wait_all([comm.invoke(r, "settle", timeout_s=timeout)
+                               for r in self.plan.all_shards])
+        if len(set(steps)) > 1:
+            log.warning("shards ended at different steps: %s", steps)
         if self.saver is not None:
-            clock = comm.invoke(self.plan.all_shards[0], "report").wait()
-            self.saver.final(clock["version"])
+            self.saver.final(steps[0])
 
     def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
         """model.pt and the summary, after the final checkpoint; the final evaluation is
@@ -186,10 +206,12 @@ class Chief:
         reports = comm.wait_all([comm.invoke(r, "report") for r in self.plan.all_shards])
         state = outputs.gather(self.plan, worker)
         signalled = _STOP_REQUESTED.is_set()
-        accuracy = None if signalled else evaluate(state)
+        tests = (None if signalled else evaluate(state)) or evaluate.empty()
+        if self.best is not None:
+            self.best.consider(reports[0]["version"], tests, state)
         summary = outputs.make_summary(
             self.cfg, self.topo, self.plan, reports, wall_s=wall_s, total_s=total_s,
-            samples_per_s=self.throughput.samples_per_s(), accuracy=accuracy, lost=self.lost,
+            samples_per_s=self.throughput.samples_per_s(), tests=tests, lost=self.lost,
             stopped_early=self.stopped_early,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
         outputs.write_outputs(self.out_dir, state, summary)

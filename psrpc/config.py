@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -93,63 +93,46 @@ class ModelParallelConfig:
 
 
 @dataclass
-class ModelConfig:
+class OptimConfig:
+    """What every optimizer has: the learning rate and its schedule (applied on the PS, by
+    global step)."""
+
     name: str = MISSING
-    """mlp, cnn (no BatchNorm) or resnet18 (torchvision's)."""
-
-
-@dataclass
-class SyntheticDataConfig:
-    name: str = "synthetic"
-    """Learnable, deterministic from train.seed: class prototypes plus Gaussian noise."""
-    image_shape: list[int] = MISSING
-    """[C, H, W] of each sample."""
-    num_classes: int = MISSING
-    """Number of classes."""
-    size: int = MISSING
-    """Training samples."""
-    test_size: int = MISSING
-    """Held-out samples from the same distribution (0: no test split)."""
-    noise: float = MISSING
-    """Noise std relative to the prototypes' (higher is harder)."""
-
-
-@dataclass
-class TorchvisionDataConfig:
-    name: str = MISSING
-    """mnist or cifar10, read through torchvision."""
-    root: str = MISSING
-    """Folder in torchvision's layout (for mnist: root/MNIST/raw/...)."""
-    download: bool = MISSING
-    """Download into root when missing (never by default)."""
-
-
-@dataclass
-class SGDConfig:
-    name: str = "sgd"
-    """torch.optim.SGD on the PS's flat master copy."""
     lr: float = MISSING
-    """Learning rate."""
-    momentum: float = MISSING
-    """Momentum (0: plain SGD)."""
+    """Learning rate (the peak, with a schedule)."""
     weight_decay: float = MISSING
     """L2 penalty added to the gradient."""
+    schedule: str = MISSING
+    """constant, step (× gamma every step_size steps), cosine or linear (decay to min_lr at
+    train.steps)."""
+    warmup_steps: int = MISSING
+    """Linear warmup from lr/warmup_steps to lr over the first steps (0: none)."""
+    step_size: int = MISSING
+    """schedule=step: steps between decays."""
+    gamma: float = MISSING
+    """schedule=step: the factor of each decay."""
+    min_lr: float = MISSING
+    """schedule=cosine/linear: the learning rate at train.steps."""
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    name: str = "sgd"
+    """torch.optim.SGD on the PS's flat master copy."""
+    momentum: float = MISSING
+    """Momentum (0: plain SGD)."""
     nesterov: bool = MISSING
     """Nesterov momentum."""
 
 
 @dataclass
-class AdamConfig:
+class AdamConfig(OptimConfig):
     name: str = "adam"
     """torch.optim.Adam on the PS's flat master copy."""
-    lr: float = MISSING
-    """Learning rate."""
     betas: list[float] = MISSING
     """Coefficients of the running averages of the gradient and its square."""
     eps: float = MISSING
     """Added to the denominator for stability."""
-    weight_decay: float = MISSING
-    """L2 penalty added to the gradient."""
 
 
 @dataclass
@@ -173,6 +156,14 @@ class TrainConfig:
     nonfinite_patience: int = MISSING
     """Non-finite gradients in a row from one replica (each one skipped) that stop the run
     with an error; 0: never stop."""
+    eval_every: int = MISSING
+    """Global steps between evaluations of the master weights on the test split (into
+    metrics.jsonl and TensorBoard); 0: only at the end."""
+    amp: str = MISSING
+    """Mixed precision on the workers: none, or bf16 (torch.autocast; the PS stays float32)."""
+    clip_grad_norm: Optional[float] = MISSING
+    """Clip each worker's gradient to this L2 norm before it is pushed (the norm of that
+    worker's own gradient, not of the round's average); null: no clipping."""
 
 
 @dataclass
@@ -185,6 +176,9 @@ class CheckpointConfig:
     """Save when this many seconds passed since the last save (0: off)."""
     keep: int = MISSING
     """Newest checkpoints kept."""
+    best: bool = MISSING
+    """Keep the model with the best test metric (at each evaluation) in dir/best/, apart from
+    the rolling checkpoints."""
 
 
 @dataclass
@@ -212,10 +206,16 @@ class Config:
     """Group: sync | async."""
     parallel: Any = MISSING
     """Group: data | model."""
-    model: Any = MISSING
-    """Group: mlp | cnn | resnet18."""
-    data: Any = MISSING
-    """Group: synthetic | mnist | cifar10."""
+    model: Dict[str, Any] = MISSING
+    """Group: mlp | cnn | resnet18 | custom; a factory by import path (`_target_`) and its
+    arguments."""
+    data: Dict[str, Any] = MISSING
+    """Group: synthetic | mnist | cifar10 | custom; a dataset factory by import path and its
+    arguments, plus `num_workers` (loader processes per worker)."""
+    loss: Dict[str, Any] = MISSING
+    """Group: cross_entropy | mse | bce | custom; loss(output, target), a batch mean."""
+    metric: Dict[str, Any] = MISSING
+    """Group: accuracy | mse | auc | custom; the test metric (summary: test_<name>)."""
     optim: Any = MISSING
     """Group: sgd | adam."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -239,9 +239,6 @@ def register_configs() -> None:
         ("update", "async", AsyncUpdateConfig),
         ("parallel", "data", DataParallelConfig),
         ("parallel", "model", ModelParallelConfig),
-        ("model", "model", ModelConfig),
-        ("data", "synthetic", SyntheticDataConfig),
-        ("data", "torchvision", TorchvisionDataConfig),
         ("optim", "sgd", SGDConfig),
         ("optim", "adam", AdamConfig),
     ]:
@@ -254,6 +251,7 @@ def to_config(cfg: DictConfig) -> Config:
 
 
 WIRE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # update.wire_dtype
+AMP_DTYPES = {"none": None, "bf16": "bfloat16"}  # train.amp -> autocast dtype
 # TensorPipe's transports in torch 2.x (its agent raises "Unknown transport" for any other name):
 # TCP via libuv, shared memory on one host, InfiniBand verbs (needs an IB device).
 TRANSPORTS = ("uv", "shm", "ibv")
@@ -321,6 +319,10 @@ def validate(cfg: Config) -> None:
     _check(t.nonfinite_patience >= 0, "train.nonfinite_patience", t.nonfinite_patience,
            "must be ≥ 0 (0: never stop)")
     _check(t.eval_batch_size >= 1, "train.eval_batch_size", t.eval_batch_size, "must be ≥ 1")
+    _check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be ≥ 0 (0: only at the end)")
+    _check(t.amp in AMP_DTYPES, "train.amp", t.amp, f"must be one of {list(AMP_DTYPES)}")
+    _check(t.clip_grad_norm is None or _finite(t.clip_grad_norm) and t.clip_grad_norm > 0,
+           "train.clip_grad_norm", t.clip_grad_norm, "must be a number > 0, or null")
     _check(t.device in ("auto", "cpu", "cuda"), "train.device", t.device,
            "must be auto, cpu or cuda")
     if t.device == "cuda":
@@ -337,6 +339,8 @@ def validate(cfg: Config) -> None:
                "needs checkpoint.dir (where to save), or 0")
         _check(ck.every_s == 0, "checkpoint.every_s", ck.every_s,
                "needs checkpoint.dir (where to save), or 0")
+        _check(not ck.best, "checkpoint.best", ck.best,
+               "needs checkpoint.dir (best/ goes there), or false")
     f = cfg.fault
     _check(f.slow_worker is None or 0 <= f.slow_worker < c.num_workers, "fault.slow_worker",
            f.slow_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
@@ -356,7 +360,7 @@ def validate(cfg: Config) -> None:
                f"must be a step in 0..{t.steps - 1} (train.steps={t.steps}), or it never happens")
     _validate_optim(cfg.optim)
     _validate_hooks(cfg.hooks)
-    _validate_data(cfg.data)
+    _validate_factories(cfg)
 
 
 def _validate_optim(o) -> None:
@@ -375,6 +379,15 @@ def _validate_optim(o) -> None:
         _check(len(o.betas) == 2 and all(_finite(b) and b < 1 for b in o.betas), "optim.betas",
                list(o.betas), "must be two numbers in [0, 1)")
         _check(_finite(o.eps), "optim.eps", o.eps, "must be a finite number ≥ 0")
+    from psrpc.schedule import SCHEDULES
+
+    _check(o.schedule in SCHEDULES, "optim.schedule", o.schedule,
+           f"must be one of {sorted(SCHEDULES)}")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be ≥ 0")
+    _check(o.step_size >= 1, "optim.step_size", o.step_size, "must be ≥ 1")
+    _check(_finite(o.gamma), "optim.gamma", o.gamma, "must be a finite number ≥ 0")
+    _check(_finite(o.min_lr) and o.min_lr <= o.lr, "optim.min_lr", o.min_lr,
+           f"must be in [0, optim.lr={o.lr}]")
 
 
 _HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}
@@ -409,23 +422,16 @@ def _validate_hooks(hooks: list) -> None:
             raise ConfigError(f"{key}: {target}{signature} does not take {kwargs} ({e})") from None
 
 
-def _validate_data(d) -> None:
-    if d.name == "synthetic":
-        _check(len(d.image_shape) == 3 and all(n >= 1 for n in d.image_shape),
-               "data.image_shape", list(d.image_shape), "must be [C, H, W] with every entry ≥ 1")
-        _check(d.num_classes >= 2, "data.num_classes", d.num_classes, "must be ≥ 2")
-        _check(d.size >= 1, "data.size", d.size, "must be ≥ 1")
-        _check(d.test_size >= 0, "data.test_size", d.test_size, "must be ≥ 0")
-        _check(d.noise >= 0, "data.noise", d.noise, "must be ≥ 0")
-        return
-    from psrpc.data import missing_files
+def _validate_factories(cfg: Config) -> None:
+    """model, data, loss, metric: the targets import and the arguments fit (the full check,
+    with data built and a batch through the model, is factories.check_run)."""
+    from psrpc.factories import check_arguments
 
-    root = Path(d.root)
-    missing = missing_files(d.name, root)
-    if missing and not d.download:
-        raise ConfigError(
-            f"data.root={d.root!r}: {d.name} not found (missing {missing[0]}). Point data.root "
-            f"at the folder in torchvision's layout that holds it, or set data.download=true")
+    for key in ("data", "model", "loss", "metric"):
+        check_arguments(key, getattr(cfg, key))
+    workers = cfg.data.get("num_workers", 0)
+    _check(isinstance(workers, int) and workers >= 0, "data.num_workers", workers,
+           "must be an int ≥ 0 (0: load in the worker's own process)")
 
 
 def stages(cfg: Config) -> int:
@@ -448,8 +454,9 @@ def rpc_timeout_s(cfg: Config) -> float:
 def resolve_paths(cfg: Config, cwd: Optional[str] = None) -> None:
     """Make user paths absolute, so every rank reads the same files whatever its cwd."""
     base = Path(cwd or os.getcwd())
-    if getattr(cfg.data, "root", None):
-        cfg.data.root = str((base / os.path.expanduser(cfg.data.root)).resolve())
+    for key in ("root", "path"):  # a dataset's files, by convention
+        if isinstance(cfg.data.get(key), str):
+            cfg.data[key] = str((base / os.path.expanduser(cfg.data[key])).resolve())
     if cfg.checkpoint.dir:
         cfg.checkpoint.dir = str((base / os.path.expanduser(cfg.checkpoint.dir)).resolve())
     if cfg.out_dir:

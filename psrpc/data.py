@@ -1,110 +1,101 @@
-"""Datasets (`data=synthetic|mnist|cifar10`) held as whole tensors, and the global batch order.
+"""The built-in dataset factories (`data=synthetic|mnist|cifar10`), and the global batch order.
 
-Whole normalised tensors in memory, indexed by batch: no per-sample Python, no DataLoader
-workers competing for the cores. No augmentation.
+The built-ins are whole normalised tensors in memory (a TensorDataset, indexed a batch at a time:
+no per-sample Python), returned as `{"train", "test", "image_shape", "num_classes"}` like any
+dataset factory (psrpc/factories.py).
 
-Determinism (DESIGN §4): the global batch at step t is rows [t·G, (t+1)·G) of an endless stream of
-per-epoch permutations seeded by train.seed, with G = replicas × batch; replica i takes rows
-[i·B, (i+1)·B) of it. So it is the same set of samples whatever the number of workers.
+Determinism: the global batch at step t is rows [t·G, (t+1)·G) of an endless stream of per-epoch
+permutations seeded by train.seed, with G = replicas × batch; replica i takes rows [i·B, (i+1)·B)
+of it. So it is the same set of samples whatever the number of workers, for any map-style
+dataset.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from psrpc.errors import ConfigError
 
 
-@dataclass
-class Split:
-    x: torch.Tensor  # (N, C, H, W) float32, normalised
-    y: torch.Tensor  # (N,) int64
-
-    def __len__(self) -> int:
-        return len(self.y)
+def _check(ok: bool, key: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"data.{key}={value!r}: {allowed}")
 
 
-@dataclass
-class Dataset:
-    train: Split
-    test: Optional[Split]
-    image_shape: tuple[int, int, int]
-    num_classes: int
-
-
-def _synthetic(cfg, seed: int) -> Dataset:
-    """Class prototypes (smooth random images) plus Gaussian noise: learnable, not trivial."""
-    c, h, w = cfg.image_shape
+def synthetic(image_shape=(1, 28, 28), num_classes: int = 10, size: int = 16384,
+              test_size: int = 2048, noise: float = 5.0, seed: int = 0) -> dict:
+    """Class prototypes (smooth random images) plus Gaussian noise: learnable, not trivial,
+    deterministic from the seed."""
+    _check(len(image_shape) == 3 and all(n >= 1 for n in image_shape), "image_shape",
+           list(image_shape), "must be [C, H, W] with every entry ≥ 1")
+    _check(num_classes >= 2, "num_classes", num_classes, "must be ≥ 2")
+    _check(size >= 1, "size", size, "must be ≥ 1")
+    _check(test_size >= 0, "test_size", test_size, "must be ≥ 0")
+    _check(noise >= 0, "noise", noise, "must be ≥ 0")
+    c, h, w = image_shape
     g = torch.Generator().manual_seed(seed)
-    coarse = torch.randn(cfg.num_classes, c, max(1, h // 4), max(1, w // 4), generator=g)
+    coarse = torch.randn(num_classes, c, max(1, h // 4), max(1, w // 4), generator=g)
     protos = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
-    scale = float((protos.var() + cfg.noise ** 2) ** 0.5)
+    scale = float((protos.var() + noise ** 2) ** 0.5)
 
-    def draw(n: int) -> Split:
-        y = torch.randint(cfg.num_classes, (n,), generator=g)
-        x = protos[y] + cfg.noise * torch.randn(n, c, h, w, generator=g)
-        return Split(x.div_(scale), y)  # roughly unit variance, like normalised images
+    def draw(n: int) -> TensorDataset:
+        y = torch.randint(num_classes, (n,), generator=g)
+        x = protos[y] + noise * torch.randn(n, c, h, w, generator=g)
+        return TensorDataset(x.div_(scale), y)  # roughly unit variance, like normalised images
 
-    train = draw(cfg.size)
-    test = draw(cfg.test_size) if cfg.test_size else None
-    return Dataset(train, test, (c, h, w), cfg.num_classes)
-
-
-def _torchvision(cls_name: str, mean, std) -> Callable:
-    def load(cfg, seed: int) -> Dataset:
-        import torchvision
-
-        cls = getattr(torchvision.datasets, cls_name)
-        splits = []
-        for train in (True, False):
-            ds = cls(cfg.root, train=train, download=cfg.download)
-            x = torch.as_tensor(ds.data)
-            x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)  # -> N, C, H, W
-            x = x.float().div_(255)
-            m = torch.tensor(mean).view(1, -1, 1, 1)
-            s = torch.tensor(std).view(1, -1, 1, 1)
-            splits.append(Split(x.sub_(m).div_(s), torch.as_tensor(ds.targets, dtype=torch.int64)))
-        return Dataset(splits[0], splits[1], tuple(splits[0].x.shape[1:]), 10)
-
-    return load
+    train = draw(size)
+    return {"train": train, "test": draw(test_size) if test_size else None,
+            "image_shape": (c, h, w), "num_classes": num_classes}
 
 
-DATASETS: dict[str, Callable] = {
-    "synthetic": _synthetic,
-    "mnist": _torchvision("MNIST", [0.1307], [0.3081]),
-    "cifar10": _torchvision("CIFAR10", [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
-}
-
-# Files torchvision needs (its check_exists), so a wrong data.root fails before any process starts.
+# Files torchvision needs (its check_exists), so a wrong data.root is one clear line.
 _FILES = {
-    "mnist": ["MNIST/raw/train-images-idx3-ubyte", "MNIST/raw/train-labels-idx1-ubyte",
+    "MNIST": ["MNIST/raw/train-images-idx3-ubyte", "MNIST/raw/train-labels-idx1-ubyte",
               "MNIST/raw/t10k-images-idx3-ubyte", "MNIST/raw/t10k-labels-idx1-ubyte"],
-    "cifar10": [f"cifar-10-batches-py/{f}" for f in
+    "CIFAR10": [f"cifar-10-batches-py/{f}" for f in
                 ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]],
 }
 
 
-def data_shape(cfg) -> tuple[tuple[int, int, int], int]:
-    """(image_shape, num_classes) of a dataset config, without loading anything."""
-    if cfg.name == "synthetic":
-        return tuple(cfg.image_shape), cfg.num_classes
-    return {"mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10)}[cfg.name]
+def _torchvision(cls_name: str, root: str, download: bool, mean, std) -> dict:
+    """A torchvision dataset as whole normalised tensors (indexed a batch at a time)."""
+    import torchvision
+
+    missing = [f for f in _FILES[cls_name] if not (Path(root) / f).is_file()]
+    if missing and not download:
+        raise ConfigError(
+            f"data.root={root!r}: {cls_name.lower()} not found (missing {Path(root) / missing[0]}). "
+            "Point data.root at the folder in torchvision's layout that holds it, or set "
+            "data.download=true")
+    cls = getattr(torchvision.datasets, cls_name)
+    splits = []
+    for train in (True, False):
+        ds = cls(root, train=train, download=download)
+        x = torch.as_tensor(ds.data)
+        x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)  # -> N, C, H, W
+        x = x.float().div_(255)
+        m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
+        splits.append(TensorDataset(x.sub_(m).div_(s),
+                                    torch.as_tensor(ds.targets, dtype=torch.int64)))
+    return {"train": splits[0], "test": splits[1],
+            "image_shape": tuple(splits[0].tensors[0].shape[1:]), "num_classes": 10}
 
 
-def missing_files(name: str, root: Path) -> list[str]:
-    """Files of dataset `name` absent under `root` (empty when all are there)."""
-    return [str(root / f) for f in _FILES.get(name, []) if not (root / f).is_file()]
+def mnist(root: str, download: bool = False) -> dict:
+    """MNIST through torchvision (root holds MNIST/raw/), normalised."""
+    return _torchvision("MNIST", root, download, [0.1307], [0.3081])
 
 
-def load_dataset(cfg, seed: int) -> Dataset:
-    try:
-        load = DATASETS[cfg.name]
-    except KeyError:
-        raise ValueError(f"data={cfg.name!r}: must be one of {sorted(DATASETS)}") from None
-    return load(cfg, seed)
+def cifar10(root: str, download: bool = False) -> dict:
+    """CIFAR-10 through torchvision (root holds cifar-10-batches-py/), normalised, no
+    augmentation (examples/cifar_cnn.py shows a dataset factory that augments)."""
+    return _torchvision("CIFAR10", root, download, [0.4914, 0.4822, 0.4465],
+                        [0.2470, 0.2435, 0.2616])
 
 
 class GlobalBatches:
@@ -136,3 +127,7 @@ class GlobalBatches:
     def slice_for(self, step: int, replica: int, batch: int) -> torch.Tensor:
         """Replica `replica`'s rows [i·B, (i+1)·B) of global batch `step`."""
         return self.indices(step, replica * batch, (replica + 1) * batch)
+
+    def epoch(self, step: int) -> float:
+        """Epochs of the training set seen by the end of global batch `step` (0-based)."""
+        return (step + 1) * self.g / self.n

@@ -12,13 +12,16 @@ StopAtStep, and the checkpoint saver (psrpc/saver.py). Add your own from the com
 
 `after_step` runs on the chief's training thread: keep it cheap. Set `info.stop = True` to end
 training early (the chief stops the cluster cleanly). `begin(run)` receives a RunContext whose
-`evaluate()` gives the test accuracy of the current master weights.
+`evaluate()` gives the test metrics of the current master weights ({"test_accuracy": ...}) and
+`make_model()` a fresh model as the config builds it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +40,7 @@ class StepInfo:
     stale_dropped: int
     push_ms: float  # the chief's wait for this step's push_pull replies
     local_loss: Optional[float] = None  # the chief's own batch loss this step
+    epoch: float = 0.0  # passes over the training set so far (samples / its size)
     time: float = field(default_factory=time.perf_counter)
     stop: bool = False  # a hook sets it to end training
 
@@ -48,7 +52,9 @@ class RunContext:
     start_step: int  # > 0 after a restore
     total_steps: int
     out_dir: Path
-    evaluate: Callable[[], Optional[float]]  # test accuracy of the current master weights
+    evaluate: Callable[[], Optional[dict]]  # test metrics of the current master weights
+    make_model: Callable[[], object]  # a fresh model as this config builds it (e.g. to load
+    # model.pt into at the end)
 
 
 class Hook:
@@ -139,27 +145,93 @@ class MetricsLog(Hook):
                   "samples_per_s": round((info.samples - prev.samples) / dt, 2) if dt > 0 else 0.0,
                   "steps_per_s": round((info.step - prev.step) / dt, 3) if dt > 0 else 0.0,
                   "push_ms": round(sum(w.push_ms for w in self._window) / len(self._window), 3),
-                  "stale_dropped": info.stale_dropped}
-        self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key in ("loss", "samples_per_s", "steps_per_s", "push_ms", "stale_dropped"):
-                if record[key] is not None:
-                    self._tb.add_scalar(key, record[key], info.step)
+                  "stale_dropped": info.stale_dropped, "epoch": round(info.epoch, 4)}
+        self.record(record)
         loss = f"{info.loss:.4f}" if info.loss is not None else "   n/a"
-        log.info("step %5d/%d | loss %s | %8.1f samples/s | push %6.1f ms | stale %d",
-                 info.step, self._total, loss, record["samples_per_s"], record["push_ms"],
-                 info.stale_dropped)
+        log.info("step %5d/%d | epoch %6.2f | loss %s | %8.1f samples/s | push %6.1f ms | "
+                 "stale %d", info.step, self._total, info.epoch, loss, record["samples_per_s"],
+                 record["push_ms"], info.stale_dropped)
         self._window, self._last = [], info
         self._next = (info.step // self.log_every + 1) * self.log_every
+
+    def record(self, record: dict) -> None:
+        """One metrics.jsonl line ({"step": ..., scalars}), the scalars also to TensorBoard."""
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
 
     def end(self, summary: dict) -> None:
         if self._file:
             self._file.close()
         if self._tb is not None:
-            for key in ("test_accuracy", "samples_per_s", "final_loss"):
-                if summary.get(key) is not None:
+            for key in [k for k in summary if k.startswith("test_")] + ["samples_per_s",
+                                                                         "final_loss"]:
+                if isinstance(summary.get(key), (int, float)):
                     self._tb.add_scalar(f"summary/{key}", summary[key], summary["steps"])
             self._tb.close()
+
+
+class Evaluate(Hook):
+    """Every `every` global steps: the test metric of the current master weights (gathered from
+    the shards) into metrics.jsonl, TensorBoard and the log, and to `best` (BestModel)."""
+
+    def __init__(self, every: int, evaluate: Callable[[], tuple], log_to: MetricsLog,
+                 best: Optional["BestModel"] = None):
+        self.every, self.evaluate, self.log_to, self.best = every, evaluate, log_to, best
+        self._next = every
+
+    def begin(self, run: RunContext) -> None:
+        self._next = (run.start_step // self.every + 1) * self.every
+
+    def after_step(self, info: StepInfo) -> None:
+        if info.step < self._next:
+            return
+        self._next = (info.step // self.every + 1) * self.every
+        results, state = self.evaluate()
+        if results is None:
+            return
+        self.log_to.record({"step": info.step, **results})
+        log.info("step %5d | %s", info.step,
+                 " | ".join(f"{k} {v:.4f}" for k, v in results.items() if v is not None))
+        if self.best is not None:
+            self.best.consider(info.step, results, state)
+
+
+class BestModel:
+    """The model with the best test metric so far, in `folder` (model.pt and best.json), apart
+    from the rolling checkpoints; a restarted run keeps competing with the one on disk."""
+
+    def __init__(self, folder: Path, key: str, higher_is_better: bool):
+        self.folder, self.key, self.higher = Path(folder), key, higher_is_better
+        self.value: Optional[float] = None
+        try:
+            self.value = json.loads((self.folder / "best.json").read_text())["value"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+    def consider(self, step: int, results: dict, state: dict) -> bool:
+        value = results.get(self.key)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.value is not None and (value <= self.value if self.higher else
+                                       value >= self.value):
+            return False
+        import torch
+
+        from psrpc.checkpoint import write_atomic
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        write_atomic(self.folder / "model.pt", buf.getvalue())
+        write_atomic(self.folder / "best.json", json.dumps(
+            {"step": step, "metric": self.key, "value": value, **results}, indent=1).encode())
+        self.value = value
+        log.info("best %s so far (%.4f at step %d): saved in %s", self.key, value, step,
+                 self.folder)
+        return True
 
 
 class StopAtStep(Hook):

@@ -34,6 +34,18 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def split_batch(batch: Any, parts: int) -> list:
+    """`parts` consecutive micro-batches of a batch (tensors, or tuples/lists/dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.chunk(parts))
+    if isinstance(batch, (list, tuple)):
+        return [type(batch)(z) for z in zip(*(split_batch(b, parts) for b in batch))]
+    if isinstance(batch, dict):
+        cols = {k: split_batch(v, parts) for k, v in batch.items()}
+        return [{k: cols[k][i] for k in batch} for i in range(parts)]
+    raise TypeError(f"cannot split a batch of {type(batch).__name__} into micro-batches")
+
+
 def fetch(dataset: Dataset, idx: torch.Tensor, seed: int = 0, first: int = 0) -> Any:
     """The collated items `idx` of `dataset`: whole tensors indexed at once for a
     TensorDataset (no per-sample Python); otherwise item by item, each seeded (see above).

@@ -1,4 +1,6 @@
-"""Models (`model=mlp|cnn|resnet18`), each an `nn.Sequential` of cuttable layers.
+"""The built-in model factories (`model=mlp|cnn|resnet18`), each an `nn.Sequential` of
+cuttable layers, built from the config like any user model (psrpc/factories.py): `image_shape`
+and `num_classes` come from the dataset.
 
 Sequential so that model parallelism can cut it into consecutive stages. mlp and cnn have no
 BatchNorm (sync with W workers then equals one worker with W× the batch exactly); resnet18 is
@@ -6,8 +8,6 @@ torchvision's, laid out as its top-level children with a Flatten before `fc`.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from torch import nn
 
@@ -42,14 +42,3 @@ def resnet18(image_shape, num_classes: int) -> nn.Sequential:
     children = dict(net.named_children())
     fc = children.pop("fc")
     return nn.Sequential(*children.values(), nn.Flatten(), fc)
-
-
-MODELS: dict[str, Callable[..., nn.Sequential]] = {"mlp": mlp, "cnn": cnn, "resnet18": resnet18}
-
-
-def build_model(name: str, image_shape, num_classes: int) -> nn.Sequential:
-    try:
-        make = MODELS[name]
-    except KeyError:
-        raise ValueError(f"model={name!r}: must be one of {sorted(MODELS)}") from None
-    return make(tuple(image_shape), num_classes)

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm
+from psrpc import comm, factories
+from psrpc.loader import fetch, to_device
 
 log = logging.getLogger("psrpc")
 
@@ -26,14 +27,22 @@ def gather(plan, worker) -> dict:
 
 
 class Evaluator:
-    """Test accuracy of a state_dict, on a copy of the chief's model (its training replica is
-    left alone)."""
+    """The test metric (`metric=`) of a state_dict, on a copy of the chief's model (its
+    training replica is left alone). Returns {"test_<name>": value, ...}, None without a test
+    split."""
 
-    def __init__(self, worker, batch_size: int):
-        self.worker, self.batch_size = worker, batch_size
+    def __init__(self, worker, cfg):
+        self.worker, self.batch_size, self.seed = worker, cfg.train.eval_batch_size, cfg.train.seed
+        self.metric = factories.build_metric(cfg, worker.data)
+        self.name = factories.metric_name(self.metric)
+        self.key = f"test_{self.name}"  # the one `checkpoint.best` ranks by
+        self.higher_is_better = bool(getattr(self.metric, "higher_is_better", True))
         self._model = None
 
-    def __call__(self, state: dict) -> Optional[float]:
+    def empty(self) -> dict:
+        return {self.key: None}
+
+    def __call__(self, state: dict) -> Optional[dict]:
         worker = self.worker
         test = worker.data.test
         if test is None:
@@ -43,12 +52,16 @@ class Evaluator:
         model = self._model
         model.load_state_dict(state)  # copies onto the model's device
         model.eval()
-        correct, bs = 0, self.batch_size
+        self.metric.reset()
         with torch.no_grad():
-            for i in range(0, len(test), bs):
-                x, y = test.x[i:i + bs].to(worker.device), test.y[i:i + bs].to(worker.device)
-                correct += int((model(x).argmax(1) == y).sum())
-        return correct / len(test)
+            for i in range(0, len(test), self.batch_size):
+                idx = torch.arange(i, min(i + self.batch_size, len(test)))
+                x, y = to_device(fetch(test, idx, self.seed), worker.device)
+                self.metric.update(model(x), y)
+        value = self.metric.compute()
+        if isinstance(value, dict):
+            return {f"test_{k}": _round(v, 6) for k, v in value.items()}
+        return {self.key: _round(value, 6)}
 
 
 def write_outputs(out_dir: Path, state: dict, summary: dict) -> None:
@@ -59,7 +72,7 @@ def write_outputs(out_dir: Path, state: dict, summary: dict) -> None:
 
 
 def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s: float,
-                 samples_per_s, accuracy, lost: list[int], stopped_early: bool,
+                 samples_per_s, tests: dict, lost: list[int], stopped_early: bool,
                  workers: dict) -> dict:
     r0 = reports[0]
     return {
@@ -69,7 +82,7 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "wall_s": round(wall_s, 3), "total_s": round(total_s, 3),
         "samples_per_s": _round(samples_per_s),
         "final_loss": _round(r0["loss"], 6),
-        "test_accuracy": _round(accuracy, 6),
+        **tests,  # test_<metric>: null without a test split (or when a signal stopped the run)
         "stale_dropped": r0["stale_dropped"],
         "nan_rejected": max(r["nan_rejected"] for r in reports),  # pushes, not shards
         "max_staleness": max(r["max_staleness"] for r in reports),
@@ -83,11 +96,11 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
 
 
 def log_done(summary: dict, out_dir: Path) -> None:
-    acc = summary["test_accuracy"]
-    log.info("done: %d steps, %d samples in %.1f s (%s samples/s), loss %s, test accuracy %s; "
-             "outputs in %s", summary["steps"], summary["samples"], summary["wall_s"],
-             summary["samples_per_s"], summary["final_loss"],
-             f"{acc:.4f}" if acc is not None else "n/a", out_dir)
+    tests = ", ".join(f"{k.replace('test_', 'test ')} " + (f"{v:.4f}" if v is not None else "n/a")
+                      for k, v in summary.items() if k.startswith("test_"))
+    log.info("done: %d steps, %d samples in %.1f s (%s samples/s), loss %s, %s; outputs in %s",
+             summary["steps"], summary["samples"], summary["wall_s"], summary["samples_per_s"],
+             summary["final_loss"], tests, out_dir)
 
 
 def _round(x, nd: int = 2):

@@ -28,19 +28,18 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torch.futures import Future
 
-from psrpc import comm
-from psrpc.config import Config
-from psrpc.data import data_shape
+from psrpc import comm, factories
+from psrpc.config import AMP_DTYPES, Config
 from psrpc.errors import ConfigError
+from psrpc.factories import Data
 from psrpc.faults import build_faults
 from psrpc.flat import FlatModel
 from psrpc.layout import Layout
-from psrpc.models import build_model
+from psrpc.loader import split_batch, to_device
 from psrpc.shard import WIRE_DTYPES, Reply
 from psrpc.topology import Topology
 from psrpc.worker import Plan, Replica, ShardClient, load_buffers, pick_device
@@ -49,24 +48,67 @@ _NO_PARAMS = torch.empty(0)
 
 
 # -- cutting the model ---------------------------------------------------------------------------
-def cut_points(model: nn.Sequential, stages: int, split: Optional[list[int]] = None) -> list[int]:
+def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers stages are cut between, in forward order, with their names in the model: an
+    nn.Sequential's children, or what the model's `pipeline_layers()` lists (its forward must
+    be those layers applied one after another)."""
+    if isinstance(model, nn.Sequential):
+        return [(str(i), m) for i, m in enumerate(model)]
+    listed = getattr(model, "pipeline_layers", None)
+    if not callable(listed):
+        raise ConfigError(
+            f"parallel=model cuts the model into stages of consecutive layers: it must be an "
+            f"nn.Sequential, or define pipeline_layers() returning its layers in forward order; "
+            f"{type(model).__name__} is neither")
+    names = {id(m): n for n, m in model.named_modules() if n}
+    layers = list(listed())
+    unknown = [type(m).__name__ for m in layers if id(m) not in names]
+    if unknown or not layers:
+        raise ConfigError(f"{type(model).__name__}.pipeline_layers() must list submodules of "
+                          f"the model (got {unknown[0] if unknown else 'none'})")
+    return [(names[id(m)], m) for m in layers]
+
+
+class StageModule(nn.Module):
+    """Consecutive layers of a model, registered under their names in the whole model (so
+    parameters and buffers are named as in model.pt); forward runs them in order."""
+
+    def __init__(self, layers: list[tuple[str, nn.Module]]):
+        super().__init__()
+        self._order: list[nn.Module] = [m for _, m in layers]
+        for path, module in layers:
+            parent = self
+            *outer, last = path.split(".")
+            for part in outer:  # empty containers mirroring the model's nesting
+                if not hasattr(parent, part):
+                    parent.add_module(part, nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(last, module)
+
+    def forward(self, x):
+        for layer in self._order:
+            x = layer(x)
+        return x
+
+
+def cut_points(layers: list[nn.Module], stages: int, split: Optional[list[int]] = None) -> list[int]:
     """Index of the first layer of each stage. Every stage holds at least one layer with
     parameters; by default the cuts minimise the largest stage's parameter count."""
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     holders = [i for i, n in enumerate(sizes) if n]
     if stages > len(holders):
         raise ConfigError(f"parallel.stages={stages}: the model has only {len(holders)} layers "
-                          f"with parameters to cut between ({len(model)} layers in all); use at "
+                          f"with parameters to cut between ({len(layers)} layers in all); use at "
                           f"most {len(holders)} stages")
     if split is not None:
         cuts = [0] + list(split)
-        bounds = cuts + [len(model)]
+        bounds = cuts + [len(layers)]
         ok = (len(split) == stages - 1 and all(a < b for a, b in zip(bounds, bounds[1:]))
               and all(any(sizes[a:b]) for a, b in zip(bounds, bounds[1:])))
         if not ok:
             raise ConfigError(
                 f"parallel.split={list(split)}: need {stages - 1} increasing layer indices in "
-                f"1..{len(model) - 1} so that every stage has parameters (layer sizes: {sizes})")
+                f"1..{len(layers) - 1} so that every stage has parameters (layer sizes: {sizes})")
         return cuts
     # Balanced: try every way to put the S-1 cuts just before a parameter-holding layer.
     best: tuple[float, list[int]] = (float("inf"), [])
@@ -74,7 +116,7 @@ def cut_points(model: nn.Sequential, stages: int, split: Optional[list[int]] = N
     def search(start_holder: int, left: int, cuts: list[int]) -> None:
         nonlocal best
         if left == 0:
-            bounds = cuts + [len(model)]
+            bounds = cuts + [len(layers)]
             worst = max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:]))
             best = min(best, (worst, list(cuts)))
             return
@@ -85,25 +127,21 @@ def cut_points(model: nn.Sequential, stages: int, split: Optional[list[int]] = N
     return best[1]
 
 
-def stage_module(model: nn.Sequential, cuts: list[int], stage: int) -> nn.Sequential:
-    """Stage `stage`'s layers, keeping their indices so parameter names match the full model's."""
-    end = cuts[stage + 1] if stage + 1 < len(cuts) else len(model)
-    return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(cuts[stage], end)))
+def model_cuts(model: nn.Module, cfg: Config) -> list[int]:
+    return cut_points([m for _, m in pipeline_layers(model)], cfg.parallel.stages,
+                      cfg.parallel.split)
 
 
-def stage_shapes(model: nn.Sequential, cuts: list[int]) -> list[dict[str, tuple]]:
+def stage_module(model: nn.Module, cuts: list[int], stage: int) -> StageModule:
+    """Stage `stage`'s layers, named as in the whole model."""
+    layers = pipeline_layers(model)
+    end = cuts[stage + 1] if stage + 1 < len(cuts) else len(layers)
+    return StageModule(layers[cuts[stage]:end])
+
+
+def stage_shapes(model: nn.Module, cuts: list[int]) -> list[dict[str, tuple]]:
     return [{n: tuple(p.shape) for n, p in stage_module(model, cuts, s).named_parameters()}
             for s in range(len(cuts))]
-
-
-def check_model_parallel(cfg: Config) -> None:
-    """The cut is valid for this model (before any process starts; builds on the meta device)."""
-    if cfg.parallel.name != "model":
-        return
-    image_shape, classes = data_shape(cfg.data)
-    with torch.device("meta"):
-        model = build_model(cfg.model.name, image_shape, classes)
-    cut_points(model, cfg.parallel.stages, cfg.parallel.split)
 
 
 # -- one stage, on its worker -------------------------------------------------------------------
@@ -112,11 +150,12 @@ class Stage:
 
     def __init__(self, cfg: Config, stage: int, cuts: list[int], layout: Layout, shards: list,
                  replica: int, local_rank: int, worker: int, restart_count: int,
-                 buffers: Optional[dict[str, torch.Tensor]] = None):
+                 info: dict, buffers: Optional[dict[str, torch.Tensor]] = None):
         self.device = pick_device(cfg.train.device, local_rank)
-        image_shape, classes = data_shape(cfg.data)
-        self.module = stage_module(build_model(cfg.model.name, image_shape, classes), cuts,
-                                   stage).to(self.device)
+        model = factories.build_model(cfg, Data(None, None, info))  # `info`: the dataset's
+        self.module = stage_module(model, cuts, stage).to(self.device)
+        self.autocast = AMP_DTYPES[cfg.train.amp]
+        self.clip = cfg.train.clip_grad_norm
         load_buffers(self.module, buffers)  # restored: the checkpoint's, for this stage's layers
         self.named = list(self.module.named_parameters())
         self.params = [p for _, p in self.named]
@@ -190,7 +229,11 @@ class Stage:
         with self.compute_lock:
             leaves = {n: p.detach().requires_grad_() for n, p in self.named}
             self._leaves[micro] = list(leaves.values())
-            return functional_call(self.module, leaves, (x.to(self.device),)).cpu()
+            with torch.autocast(self.device.type,
+                                dtype=getattr(torch, self.autocast or "float32"),
+                                enabled=self.autocast is not None):
+                y = functional_call(self.module, leaves, (to_device(x, self.device),))
+            return to_device(y, torch.device("cpu"))
 
     @comm.async_execution
     def push(self, context_id: int, loss: float, samples: int, ticket: Optional[int] = None):
@@ -204,6 +247,8 @@ class Stage:
                     if leaf in grads:
                         p.grad.add_(grads[leaf])
         self.discard()
+        if self.clip:  # this stage's own gradient norm (per worker, as in data parallel)
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.faults.before_backward(self.reply.version)
         self.faults.corrupt(self.reply.version, self.flat.all_grads())
         sends = [self.flat.grad_to_send(k) for k in range(len(self.flat.params))]
@@ -258,7 +303,7 @@ class PipelineLeader(Replica):
             self.stages.append(comm.remote(name, Stage, args=(
                 cfg, s, plan.cuts, plan.layouts[s], plan.shards[s], self.replica,
                 topo.local_rank_of(rank), topo.role_of(rank)[1], topo.restart_count,
-                plan.buffers)))
+                self.data.info, plan.buffers)))
         for s in range(len(names) - 1):
             comm.invoke(self.stages[s], "set_next", self.stages[s + 1]).wait()
         self.client = ShardClient(plan.shards[0], self.replica)  # for the staleness clock
@@ -270,19 +315,21 @@ class PipelineLeader(Replica):
             out.update(part)
         return out
 
-    def step(self, step: int) -> tuple[Optional[list[Reply]], float]:
-        """Forward M micro-batches through the pipeline, backward, push every stage. Replies
-        None: the staleness clock did not admit the gradient (see Worker.step)."""
-        x, y = self.batch_for(step)
+    def step(self, step: int, version: int) -> tuple[Optional[list[Reply]], float]:
+        """Forward M micro-batches of global batch `step` through the pipeline, backward, push
+        every stage (whose parameters are at `version`). Replies None: the staleness clock did
+        not admit the gradient (see Worker.step)."""
+        x, y = self.batches.get(step)
+        cpu = torch.device("cpu")  # RPC carries CPU tensors
         with dist_autograd.context() as ctx:
-            outs = comm.wait_all([comm.invoke(self.stages[0], "forward", xm.cpu(), m)
-                                  for m, xm in enumerate(x.chunk(self.microbatches))])
-            loss = F.cross_entropy(torch.cat(outs).to(self.device), y)
+            outs = comm.wait_all([comm.invoke(self.stages[0], "forward", to_device(xm, cpu), m)
+                                  for m, xm in enumerate(split_batch(x, self.microbatches))])
+            loss = self.loss_fn(torch.cat(outs).to(self.device), y)
             dist_autograd.backward(ctx, [loss])
             value = loss.item()
             ticket = None
             if self.bounded:
-                admitted = self.client.admit(self.clock, step)
+                admitted = self.client.admit(self.clock, version)
                 if admitted.seq is None:
                     self.finished = admitted.finished
                     # the stages drop this step's leaves: the next forward starts afresh
@@ -298,14 +345,15 @@ class PipelineLeader(Replica):
         self.finished = False
         while not reply.finished:
             t0 = time.perf_counter()
-            step = reply.version
-            replies, loss = self.step(step)
+            step = self.data_step(reply.version)
+            replies, loss = self.step(step, reply.version)
             if replies is None:  # not admitted: training is over, or pull fresher parameters
                 if self.finished:
                     break
                 replies = comm.wait_all([comm.invoke(st, "refresh") for st in self.stages])
                 reply = replace(replies[0], version=min(r.version for r in replies))
                 continue
+            self.next_data_step()
             reply = replies[0]
             self.stats.pushes += 1
             self.stats.accepted += int(reply.accepted)

@@ -34,7 +34,7 @@ class CheckpointSaver(Hook):
         self.shards, self.layout = plan.all_shards, plan.layout
         self.start = start_step  # 0, or the step this run restored from
         self.margin = margin  # steps ahead a time-based save is asked for
-        self.extra = {"model": cfg.model.name, "optim": cfg.optim.name,
+        self.extra = {"model": cfg.model["_target_"], "optim": cfg.optim.name,
                       "update": cfg.update.name, "num_workers": cfg.cluster.num_workers}
         self._next = (start_step // self.every_steps + 1) * self.every_steps if self.every_steps else None
         self._last_time = time.monotonic()

@@ -28,6 +28,7 @@ from psrpc.config import WIRE_DTYPE_NAMES
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
 from psrpc.optim import build_optimizer
+from psrpc.schedule import lr_factor
 from psrpc.snapshots import ShardSnapshots
 from psrpc.updates import build_updater
 
@@ -106,6 +107,8 @@ class Shard:
             restored["state"] = {0: spec.optim_state} if spec.optim_state else {}
             self.optimizer.load_state_dict(restored)
         self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.optim_cfg = spec.optim  # the schedule: lr by global step
+        self.total_steps = spec.max_steps
         self.wire_dtype = WIRE_DTYPES[spec.update.wire_dtype]
         self.num_workers = spec.num_workers
         self.max_steps = spec.max_steps
@@ -114,6 +117,7 @@ class Shard:
         self.lock = threading.Lock()
         self.stats = ShardStats(**spec.stats) if spec.stats else ShardStats()
         self.losses: deque = deque(maxlen=spec.num_workers)  # the last W applied losses
+        self._settled: list[torch.futures.Future] = []  # who waits for the last step
         self.snapshots = ShardSnapshots(self.name, spec.checkpoint_dir, spec.checkpoint_every,
                                         self._snapshot)
         self.updater = build_updater(self, spec.update, spec.num_workers)  # needs all above
@@ -180,9 +184,30 @@ class Shard:
             target = self.updater.freeze(target) if hasattr(self.updater, "freeze") else target
             self.max_steps = max(self.version, min(self.max_steps, target))
             ready = self.updater.release() if self.finished else []
+            if self.finished:
+                self._answer_settled()
             self.snapshots.unreachable(self.max_steps)
         comm.resolve_all(ready)
         return self.max_steps
+
+    @comm.async_execution
+    def settle(self):
+        """The Future of this shard's version once it is at its last step: with bounded
+        staleness the chief can see 'finished' while tickets are still on their way to other
+        shards (a ticket that never comes is skipped after update.timeout_s)."""
+        with self.lock:
+            if self.finished:
+                return comm.completed(self.version)
+            fut = torch.futures.Future()
+            self._settled.append(fut)
+            return fut
+
+    def _answer_settled(self) -> None:
+        """Under the lock: the Futures complete later, from a thread of their own, since
+        completing one sends its reply."""
+        waiting, self._settled = self._settled, []
+        for fut in waiting:
+            threading.Thread(target=fut.set_result, args=(self.version,), daemon=True).start()
 
     def report(self) -> dict:
         with self.lock:
@@ -208,21 +233,21 @@ class Shard:
         return self.version >= self.max_steps
 
     def step_optimizer(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
-        """One optimizer step on the master copy with this (already averaged) gradient. The
-        caller counts the push and then calls `advance()`."""
+        """One optimizer step on the master copy with this (already averaged) gradient, at the
+        learning rate the schedule gives this step (times `lr_scale`: staleness_lr). The caller
+        counts the push and then calls `advance()`."""
         # The optimizer reads .grad: point it at the gradient instead of copying 4 bytes/param.
         self.params.grad = grad if grad.dtype == torch.float32 else grad.float()
+        scale = lr_scale * lr_factor(self.version, self.optim_cfg, self.total_steps)
         try:
-            if lr_scale != 1.0:
-                for g, lr in zip(self.optimizer.param_groups, self.base_lr):
-                    g["lr"] = lr * lr_scale
+            for g, lr in zip(self.optimizer.param_groups, self.base_lr):
+                g["lr"] = lr * scale
             with torch.no_grad():
                 self.optimizer.step()
         finally:
             self.params.grad = None
-            if lr_scale != 1.0:
-                for g, lr in zip(self.optimizer.param_groups, self.base_lr):
-                    g["lr"] = lr
+            for g, lr in zip(self.optimizer.param_groups, self.base_lr):
+                g["lr"] = lr
 
     def advance(self) -> None:
         """The global step passes (after an update, or with none: a skipped step). A checkpoint
@@ -232,6 +257,7 @@ class Shard:
         self.snapshots.after_update(self.version)
         if self.finished:
             self.snapshots.unreachable(self.max_steps)
+            self._answer_settled()
 
     def count_nonfinite(self, worker: int, version: int) -> None:
         self.stats.nan_rejected += 1

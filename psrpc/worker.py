@@ -1,9 +1,15 @@
 """The data-parallel worker loop, and the client that pushes to and pulls from every shard.
 
-One step: take this replica's rows of the global batch at the current global step; forward and
-backward on the worker's device (gradients land in flat per-shard buffers); one `push_pull` per
-shard, all in flight at once; copy the returned parameters in. The global step (shard 0's
-version) picks the batch, so a resumed or stale worker always knows where it is.
+One step: take this replica's rows of the global batch of its data step; forward (under
+autocast with train.amp) and backward on the worker's device (gradients land in flat per-shard
+buffers); one `push_pull` per shard, all in flight at once (each as soon as backward completes
+it); copy the returned parameters in.
+
+The data step: in sync, the global step (shard 0's version), so a resumed or stale worker always
+knows where it is and W workers of batch B see exactly what one worker of batch W·B sees. In
+async, each worker walks the global batches at its own pace: its n-th push takes its slice of
+global batch start/W + n (start: the step training resumed from), so its batches can be loaded
+ahead and do not depend on timing; with one worker this is the global step again.
 """
 
 from __future__ import annotations
@@ -14,17 +20,17 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
-from psrpc import comm
-from psrpc.config import Config
-from psrpc.data import GlobalBatches, load_dataset
+from psrpc import comm, factories
+from psrpc.async_apply import Ticket
+from psrpc.config import AMP_DTYPES, Config
+from psrpc.data import GlobalBatches
 from psrpc.errors import PsrpcError
+from psrpc.factories import Data
 from psrpc.faults import build_faults
 from psrpc.flat import FlatModel
 from psrpc.layout import Layout
-from psrpc.models import build_model
-from psrpc.async_apply import Ticket
+from psrpc.loader import StepBatches
 from psrpc.shard import WIRE_DTYPES, Reply
 from psrpc.topology import Topology
 
@@ -152,16 +158,20 @@ class NonfiniteGuard:
 
 
 class Replica:
-    """What every replica's training loop has: its data slice, its device, its counters."""
+    """What every replica's training loop has: its data slice, loss, device and counters."""
 
-    def __init__(self, cfg: Config, topo: Topology, plan: Plan, dataset=None):
+    def __init__(self, cfg: Config, topo: Topology, plan: Plan, dataset: Optional[Data] = None):
         self.cfg, self.topo, self.plan = cfg, topo, plan
         self.replica = topo.replica_of(topo.index)
         self.device = pick_device(cfg.train.device, topo.local_rank)
-        self.data = dataset or load_dataset(cfg.data, cfg.train.seed)
+        self.data = dataset or factories.load_data(cfg)
+        self.loss_fn = factories.build_loss(cfg, self.data)
         self.batch = cfg.train.batch_size
-        self.batches = GlobalBatches(len(self.data.train), topo.replicas * self.batch,
-                                     cfg.train.seed)
+        self.order = GlobalBatches(len(self.data.train), topo.replicas * self.batch,
+                                   cfg.train.seed)
+        self.batches = StepBatches(self.data.train, self.order, self.replica, self.batch,
+                                   self.device, cfg.data.get("num_workers", 0), cfg.train.seed)
+        self.autocast = AMP_DTYPES[cfg.train.amp]
         self.faults = build_faults(cfg.fault, "worker", topo.index, topo.restart_count)
         self.stats = WorkerStats()
         self.nonfinite = NonfiniteGuard(self.replica, cfg.train.nonfinite_patience,
@@ -169,23 +179,39 @@ class Replica:
         # Bounded staleness: a gradient is pushed only once the clock shard admits it.
         self.bounded = cfg.update.name == "async" and cfg.update.max_staleness is not None
         self.clock = plan.shards[0][0]
+        self.sync = cfg.update.name == "sync"
+        self._data_step: Optional[int] = None
 
     @classmethod
-    def build_model(cls, cfg: Config, dataset):
+    def build_model(cls, cfg: Config, data: Data):
         """The model this replica trains (the chief's copy, built after seeding, is the init)."""
-        return build_model(cfg.model.name, dataset.image_shape, dataset.num_classes)
+        return factories.build_model(cfg, data)
 
-    def batch_for(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's rows of global batch `step`, on its device."""
-        idx = self.batches.slice_for(step, self.replica, self.batch)
-        return (self.data.train.x[idx].to(self.device, non_blocking=True),
-                self.data.train.y[idx].to(self.device, non_blocking=True))
+    def data_step(self, version: int) -> int:
+        """Which global batch to train on next (see the module docstring)."""
+        if self.sync:
+            return version
+        if self._data_step is None:
+            self._data_step = version // self.topo.replicas
+        return self._data_step
+
+    def next_data_step(self) -> None:
+        """Async: this worker's batch was used (applied, or skipped as non-finite)."""
+        if self._data_step is not None:
+            self._data_step += 1
+
+    def forward_loss(self, model, x, y) -> torch.Tensor:
+        """The batch's loss, under autocast when train.amp asks for it."""
+        with torch.autocast(self.device.type, dtype=getattr(torch, self.autocast or "float32"),
+                            enabled=self.autocast is not None):
+            return self.loss_fn(model(x), y)
 
 
 class Worker(Replica):
     """A data-parallel worker: the whole model, its slice of every global batch."""
 
-    def __init__(self, cfg: Config, topo: Topology, plan: Plan, model=None, dataset=None):
+    def __init__(self, cfg: Config, topo: Topology, plan: Plan, model=None,
+                 dataset: Optional[Data] = None):
         super().__init__(cfg, topo, plan, dataset)
         self.index = topo.index
         self.model = (model or self.build_model(cfg, self.data)).to(self.device)
@@ -217,9 +243,9 @@ class Worker(Replica):
         as soon as backward completes it. Returns the loss and the push Futures; None when the
         staleness clock did not admit the gradient (`self.finished` says whether training is
         over; otherwise it was too stale)."""
-        x, y = self.batch_for(step)
+        x, y = self.batches.get(step)
         self.flat.zero_grad()
-        loss = F.cross_entropy(self.model(x), y)
+        loss = self.forward_loss(self.model, x, y)
         value = loss.item()
         futures: list = [None] * len(versions)
         ticket = None
@@ -228,10 +254,12 @@ class Worker(Replica):
             futures[k] = self.client.push_one(k, versions[k], self.flat.grad_to_send(k), value,
                                               self.batch, ticket)
 
-        # Every gradient is needed before the first push for a NaN injection, and for the
-        # clock's ticket (bounded staleness); otherwise shards go out as backward fills them.
+        # Every gradient is needed before the first push for a NaN injection, the clock's
+        # ticket (bounded staleness) and clipping by norm; otherwise shards go out as backward
+        # fills them.
         nan = self.faults.nan_due(step)
-        overlap = not (nan or self.bounded)
+        clip = self.cfg.train.clip_grad_norm
+        overlap = not (nan or self.bounded or clip)
         if overlap:
             self.flat.arm(push)
         self.faults.before_backward(step)
@@ -239,6 +267,8 @@ class Worker(Replica):
         rest = self.flat.disarm() if overlap else list(range(len(versions)))
         if nan:
             self.faults.corrupt(step, self.flat.all_grads())
+        if clip:  # this worker's own gradient norm (the round averages clipped gradients)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if self.bounded:
             # After a pull the shards' versions can differ (tickets still in flight): the
             # oldest one bounds this gradient's staleness on every shard.
@@ -259,7 +289,7 @@ class Worker(Replica):
         self.finished = False
         while not replies[0].finished:
             t0 = time.perf_counter()
-            step = versions[0]
+            step = self.data_step(versions[0])
             loss, futures = self.step(step, versions)
             t1 = time.perf_counter()
             if futures is None:  # not admitted: training is over, or pull fresher parameters
@@ -268,6 +298,7 @@ class Worker(Replica):
                 replies = self.client.pull()
                 versions = self.load(replies)
                 continue
+            self.next_data_step()
             replies = self.receive(futures)
             t2 = time.perf_counter()
             versions = [r.version for r in replies]

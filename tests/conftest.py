@@ -14,7 +14,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 MNIST_ROOT = ROOT.parent / "shared" / "data"
 
 # Small and quick: the CPU suite runs many clusters on 2 cores.
@@ -32,29 +31,24 @@ def on_cpu(overrides) -> list[str]:
     return overrides if any(o.startswith("train.device=") for o in overrides) else overrides + [CPU]
 
 
-def compose(overrides=()):
+def compose(overrides=(), check: bool = True, **factories):
     """The typed Config that `python -m psrpc <overrides>` would run (on CPU unless the
-    overrides choose a device)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    overrides choose a device), checked as the CLI checks it before starting."""
+    from psrpc.api import compose as psrpc_compose
+    from psrpc.factories import check_run
 
-    from psrpc.config import register_configs, resolve_paths, to_config, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = to_config(hydra_compose("config", overrides=on_cpu(overrides)))
-    resolve_paths(cfg, str(ROOT))
-    validate(cfg)
-    from psrpc.pipeline import check_model_parallel
-
-    check_model_parallel(cfg)
+    cfg = psrpc_compose(on_cpu(overrides), cwd=str(ROOT), **factories)
+    if check:
+        check_run(cfg)
     return cfg
 
 
-def run_cluster(out_dir: Path, overrides=(), timeout_s: float = 240, fast: bool = True):
+def run_cluster(out_dir: Path, overrides=(), timeout_s: float = 240, fast: bool = True,
+                **factories):
     """Run a whole local cluster through the real launcher; returns (summary, model state)."""
     from psrpc.launch import launch
 
-    cfg = compose((FAST if fast else []) + list(overrides))
+    cfg = compose((FAST if fast else []) + list(overrides), **factories)
     launch(cfg, Path(out_dir), timeout_s=timeout_s)
     return read_outputs(out_dir)
 

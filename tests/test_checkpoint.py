@@ -236,7 +236,7 @@ def _saver(root, start_step=0, every_steps=3):
     from psrpc.saver import CheckpointSaver
 
     cfg = NS(checkpoint=NS(dir=str(root), every_steps=every_steps, every_s=0, keep=5),
-             model=NS(name="mlp"), optim=NS(name="sgd"), update=NS(name="sync"),
+             model={"_target_": "psrpc.models.mlp"}, optim=NS(name="sgd"), update=NS(name="sync"),
              cluster=NS(num_workers=1))
     return CheckpointSaver(cfg, NS(all_shards=["ps0's shard"], layout=None), start_step,
                            margin=1)
@@ -415,7 +415,7 @@ def test_saver_asks_for_steps_in_increasing_order(monkeypatch):
     from psrpc.saver import CheckpointSaver
 
     cfg = NS(checkpoint=NS(dir="unused", every_steps=10, every_s=1e-9, keep=2),
-             model=NS(name="mlp"), optim=NS(name="sgd"), update=NS(name="async"),
+             model={"_target_": "psrpc.models.mlp"}, optim=NS(name="sgd"), update=NS(name="async"),
              cluster=NS(num_workers=8))
     saver = CheckpointSaver(cfg, NS(all_shards=[], layout=None), start_step=0, margin=16)
     asked = []

@@ -88,7 +88,7 @@ def test_default_run_writes_the_contract_outputs(tmp_path):
         "ps0.log", "worker0.log", "worker1.log"]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [10, 20] and all("samples_per_s" in x for x in lines)
-    assert "[worker0] step    10/20 | loss" in r.stderr  # the chief's progress line
+    assert "[worker0] step    10/20 | epoch   0.31 | loss" in r.stderr  # the progress line
 
 
 def test_multirun_gives_each_job_its_own_outputs(tmp_path):

@@ -72,6 +72,6 @@ def test_outputs_follow_the_contract(reference):
         assert key in summary, key
     assert summary["restored_from_step"] is None and summary["workers_lost"] == 0
     assert 0 <= summary["test_accuracy"] <= 1 and summary["samples_per_s"] > 0
-    from psrpc.models import build_model
+    from psrpc.models import mlp
 
-    build_model("mlp", (1, 28, 28), 10).load_state_dict(state)  # loads into the config's model
+    mlp((1, 28, 28), 10).load_state_dict(state)  # loads into the model the config builds

@@ -1,10 +1,9 @@
-"""Determinism of the data order (DESIGN §4) and the built-in synthetic set."""
-
-from types import SimpleNamespace
+"""Determinism of the data order, the built-in synthetic set, and the loader (batches by step
+from any map-style dataset, in this process or in DataLoader processes)."""
 
 import torch
 
-from psrpc.data import GlobalBatches, load_dataset
+from psrpc.data import GlobalBatches, synthetic
 
 
 def test_global_batch_is_the_same_samples_whatever_the_worker_count():
@@ -26,9 +25,10 @@ def test_every_sample_once_per_epoch_and_seed_matters():
 
 
 def test_synthetic_is_deterministic_and_has_a_test_split():
-    cfg = SimpleNamespace(name="synthetic", image_shape=[1, 8, 8], num_classes=3, size=50,
-                          test_size=20, noise=1.0)
-    a, b = load_dataset(cfg, 0), load_dataset(cfg, 0)
-    assert torch.equal(a.train.x, b.train.x) and torch.equal(a.test.y, b.test.y)
-    assert a.train.x.shape == (50, 1, 8, 8) and len(a.test) == 20
-    assert not torch.equal(a.train.x, load_dataset(cfg, 1).train.x)
+    args = dict(image_shape=[1, 8, 8], num_classes=3, size=50, test_size=20, noise=1.0)
+    a, b = synthetic(**args, seed=0), synthetic(**args, seed=0)
+    assert torch.equal(a["train"].tensors[0], b["train"].tensors[0])
+    assert torch.equal(a["test"].tensors[1], b["test"].tensors[1])
+    assert a["train"].tensors[0].shape == (50, 1, 8, 8) and len(a["test"]) == 20
+    assert a["image_shape"] == (1, 8, 8) and a["num_classes"] == 3
+    assert not torch.equal(a["train"].tensors[0], synthetic(**args, seed=1)["train"].tensors[0])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from psrpc.launch import launch
-from psrpc.data import load_dataset
+from psrpc.factories import load_data
 from tests.cluster_helpers import IntegerGradWorker, integer_grad
 from tests.conftest import FAST, compose, read_outputs
 
@@ -25,7 +25,7 @@ def test_master_copy_is_start_minus_every_applied_update(tmp_path, update):
     assert summary["steps"] == steps and summary["stale_dropped"] == 0
 
     torch.manual_seed(cfg.train.seed)  # the chief's initial model
-    start = dict(IntegerGradWorker.build_model(cfg, load_dataset(cfg.data, 0)).named_parameters())
+    start = dict(IntegerGradWorker.build_model(cfg, load_data(cfg)).named_parameters())
     from psrpc.layout import Layout
 
     layout = Layout.plan({n: tuple(p.shape) for n, p in start.items()}, 2,

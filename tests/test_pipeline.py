@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from psrpc.errors import ConfigError
-from psrpc.models import build_model
+from psrpc.models import mlp as make_mlp
 from psrpc.pipeline import cut_points
 from tests.conftest import MNIST_ROOT, assert_same_model, models_differ, run_cluster
 
@@ -31,7 +31,7 @@ def test_balanced_cut_by_parameter_count():
     (3, [4, 2], r"parallel.split=\[4, 2\]: need 2"),  # not increasing
 ])
 def test_bad_cuts_are_clear_errors(stages, split, match):
-    mlp = build_model("mlp", (1, 4, 4), 3)  # Flatten, Linear, ReLU, Linear, ReLU, Linear
+    mlp = make_mlp((1, 4, 4), 3)  # Flatten, Linear, ReLU, Linear, ReLU, Linear
     assert cut_points(mlp, 2, [2]) == [0, 2]  # a valid explicit cut, for contrast
     with pytest.raises(ConfigError, match=match):
         cut_points(mlp, stages, split)

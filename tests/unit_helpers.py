@@ -6,12 +6,17 @@ from psrpc.config import AdamConfig, AsyncUpdateConfig, SGDConfig, SyncUpdateCon
 from psrpc.shard import Shard, ShardSpec
 
 
-def sgd(lr=1.0, momentum=0.0, weight_decay=0.0):
-    return SGDConfig(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=False)
+CONSTANT = dict(schedule="constant", warmup_steps=0, step_size=1000, gamma=0.1, min_lr=0.0)
 
 
-def adam(lr=0.01):
-    return AdamConfig(lr=lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0)
+def sgd(lr=1.0, momentum=0.0, weight_decay=0.0, **schedule):
+    return SGDConfig(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=False,
+                     **{**CONSTANT, **schedule})
+
+
+def adam(lr=0.01, **schedule):
+    return AdamConfig(lr=lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0,
+                      **{**CONSTANT, **schedule})
 
 
 def sync(replicas=None, timeout_s=30.0, wire="float32"):
