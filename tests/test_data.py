@@ -32,3 +32,70 @@ def test_synthetic_is_deterministic_and_has_a_test_split():
     assert a["train"].tensors[0].shape == (50, 1, 8, 8) and len(a["test"]) == 20
     assert a["image_shape"] == (1, 8, 8) and a["num_classes"] == 3
     assert not torch.equal(a["train"].tensors[0], synthetic(**args, seed=1)["train"].tensors[0])
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Random per-sample noise: deterministic only through the loader's per-sample seeding."""
+
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i)) + torch.rand(3), i
+
+
+def test_loader_is_the_same_batches_whatever_the_processes_and_worker_count():
+    """Per-sample randomness (augmentation) is seeded by (seed, epoch, index): a batch is the
+    same in this process or in DataLoader processes, and W workers' slices make one worker's
+    batch; steps may come in any order (a restart of the loader)."""
+    from psrpc.loader import StepBatches
+
+    cpu = torch.device("cpu")
+    one = StepBatches(_Augmented(), GlobalBatches(50, 8, 1), 0, 8, cpu, 0, seed=1)
+    halves = [StepBatches(_Augmented(), GlobalBatches(50, 8, 1), r, 4, cpu, 2, seed=1)
+              for r in range(2)]
+    for step in [0, 1, 2, 5, 3, 9, 10]:  # 6 → 7 straddles an epoch; 5 → 3 goes back
+        x, y = one.get(step)
+        parts = [h.get(step) for h in halves]
+        assert torch.equal(x, torch.cat([p[0] for p in parts]))
+        assert torch.equal(y, torch.cat([p[1] for p in parts]))
+    assert not torch.equal(one.get(0)[0], one.get(7)[0])  # a new epoch: new noise, new order
+    for h in halves:
+        h.close()
+
+
+def test_a_tensor_dataset_is_indexed_a_batch_at_a_time():
+    from torch.utils.data import TensorDataset
+
+    from psrpc.loader import fetch
+
+    ds = TensorDataset(torch.arange(10.0).view(5, 2), torch.arange(5))
+    x, y = fetch(ds, torch.tensor([3, 1]))
+    assert torch.equal(x, torch.tensor([[6.0, 7.0], [2.0, 3.0]])) and y.tolist() == [3, 1]
+
+
+def test_schedules_match_torch_lr_schedulers():
+    """The PS's schedule is torch's LinearLR warmup / StepLR / CosineAnnealingLR arithmetic as a
+    function of the global step."""
+    from types import SimpleNamespace as NS
+
+    from psrpc.schedule import lr_factor
+
+    opt = NS(lr=0.1, warmup_steps=0, step_size=7, gamma=0.5, min_lr=0.01)
+    steps = 40
+    for name, make in [
+        ("step", lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5)),
+        ("cosine", lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, steps, 0.01)),
+    ]:
+        p = torch.nn.Parameter(torch.zeros(1))
+        sgd = torch.optim.SGD([p], lr=0.1)
+        sched = make(sgd)
+        for t in range(steps):
+            got = 0.1 * lr_factor(t, NS(**vars(opt), schedule=name), steps)
+            assert abs(got - sgd.param_groups[0]["lr"]) < 1e-9, (name, t)
+            sgd.step()
+            sched.step()
+    warm = NS(**{**vars(opt), "warmup_steps": 4}, schedule="constant")
+    assert [lr_factor(t, warm, steps) for t in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    linear = NS(**vars(opt), schedule="linear")
+    assert lr_factor(0, linear, steps) == 1.0 and abs(lr_factor(steps, linear, steps) - 0.1) < 1e-12
