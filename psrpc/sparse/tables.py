@@ -49,11 +49,10 @@ class EmbeddingTables(nn.Module):
         self.specs = list(specs)
         self.bags = nn.ModuleDict()
         for spec in self.specs:
-            bag = nn.EmbeddingBag(spec.num_rows, spec.dim, mode=spec.pooling, sparse=sparse_grad)
-            with torch.no_grad():
-                bag.weight.copy_(init_rows(torch.arange(spec.num_rows), spec.dim,
-                                           table_seed(seed, spec.name), spec.init_scale))
-            self.bags[spec.name] = bag
+            weight = init_rows(torch.arange(spec.num_rows), spec.dim, table_seed(seed, spec.name),
+                               spec.init_scale)  # given as _weight: no random init to overwrite
+            self.bags[spec.name] = nn.EmbeddingBag(spec.num_rows, spec.dim, mode=spec.pooling,
+                                                   sparse=sparse_grad, _weight=weight)
 
     def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [s.name for s in self.specs if s.name not in features]
