@@ -19,7 +19,8 @@ def batch(b=5, num_dense=3):
     return {"dense": torch.randn(b, num_dense, generator=g),
             "user": torch.randint(20, (b,), generator=g),
             "item": torch.randint(30, (b,), generator=g),
-            "genres": torch.tensor([[1, 2, -1], [3, -1, -1], [-1, -1, -1], [5, 5, 0], [4, 1, 2]])[:b],
+            "genres": torch.tensor([[1, 2, -1], [3, -1, -1], [-1, -1, -1], [5, 5, 0],
+                                    [4, 1, 2]])[:b],
             "zip": torch.randint(-10**12, 10**12, (b,), generator=g)}
 
 

@@ -25,7 +25,9 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from psrpc.recsys.synthetic import ClickLogs, clicks  # noqa: F401  (a factory of this module)
+from psrpc.recsys.synthetic import ClickLogs, clicks
+
+__all__ = ["TensorDictDataset", "batches", "movielens", "clicks", "ClickLogs", "criteo"]
 
 PAD = -1
 
