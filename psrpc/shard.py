@@ -4,7 +4,7 @@ version (= global steps applied), its checkpoints, and the counters the chief re
 Created on its PS by the chief with `comm.remote` and used through the RRef. `push_pull` checks a
 push, then hands it to the update rule (`sync.SyncAggregator` or `async_apply.AsyncApplier`).
 Every change to the master copy happens under `self.lock`: in-place tensor ops release the GIL,
-so unlocked accumulation loses updates (DESIGN §8).
+so unlocked accumulation loses updates (docs/design.md, "RPC pitfalls").
 
 Checkpoints are step-consistent by construction (`snapshots.ShardSnapshots`): a shard snapshots
 itself under the lock right after the update that brings it to a checkpoint step.

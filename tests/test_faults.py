@@ -1,4 +1,4 @@
-"""Faults over real clusters (DESIGN §7): lost workers, a dead PS, NaN gradients."""
+"""Faults over real clusters: lost workers, a dead PS, NaN gradients (README's fault table)."""
 
 import math
 import time
