@@ -45,7 +45,7 @@ def _setup(cfg: Config, world: int, rank: int):
     """What every peer process builds, as a psrpc worker would: data, model, loss, batches."""
     torch.manual_seed(cfg.train.seed)
     data = factories.load_data(cfg)
-    model = factories.build_model(cfg, data)
+    model = factories.build_model(cfg, data, remote_tables=False)  # a peer holds its tables
     loss_fn = factories.build_loss(cfg, data)
     B = cfg.train.batch_size
     batches = StepBatches(data.train, GlobalBatches(len(data.train), world * B, cfg.train.seed),

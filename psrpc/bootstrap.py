@@ -22,7 +22,9 @@ from psrpc.layout import Layout
 from psrpc.pipeline import model_cuts, stage_shapes
 from psrpc.shard import Shard, ShardSpec, ShardStats
 from psrpc.topology import Topology
-from psrpc.worker import Plan
+from psrpc.sparse.shard import TableShard, TableShardSpec
+from psrpc.sparse.tables import find_tables
+from psrpc.worker import Plan, model_buffers
 
 log = logging.getLogger("psrpc")
 
@@ -39,7 +41,15 @@ def bootstrap(cfg: Config, topo: Topology, worker_cls):
     flats, states = initial_state(cfg, model, layout, restored)
     buffers = restored_buffers(cfg, model, restored)
     shards = create_shards(cfg, topo, layouts, flats, states, restored)
-    plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers)
+    specs = [spec for t in find_tables(model) for spec in t.specs]
+    tables = create_table_shards(cfg, topo, specs, layout.num_shards, restored) if specs else []
+    plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers, tables,
+                specs, cfg.sparse.partition)
+    if specs:
+        rows = sum(t.num_rows for t in specs)
+        log.info("%d embedding table(s), %d rows × %s in all, on %d PS (%s partition, %s)",
+                 len(specs), rows, "/".join(str(t.dim) for t in specs), topo.num_ps,
+                 cfg.sparse.partition, cfg.sparse.optimizer)
     log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
              sum(p.numel for p in layout.pieces), layout.num_shards,
              "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
@@ -84,7 +94,7 @@ def restored_buffers(cfg: Config, model, restored: Optional[checkpoint.Restored]
     fresh, or when the checkpoint predates saved buffers (they then start over, with a warning)."""
     if restored is None:
         return None
-    own = dict(model.named_buffers())
+    own = model_buffers(model)
     if restored.buffers is None:
         if own:
             log.warning("checkpoint step-%d holds no buffers (saved by an older psrpc): the "
@@ -117,6 +127,36 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
         shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
     comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
+
+
+def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
+                        restored: Optional[checkpoint.Restored]) -> list:
+    """One TableShard per PS (global shard number first + k), holding its rows of every table;
+    restored from the checkpoint's table files by each PS itself (they can be large)."""
+    restore = None
+    if restored is not None:
+        saved = restored.tables
+        if saved is None or saved["specs"] != [_spec_dict(t) for t in specs]:
+            raise PsrpcError(f"checkpoint.dir={cfg.checkpoint.dir}: step-{restored.step} was made "
+                             f"for other embedding tables ({saved and saved['specs']}); use "
+                             "another checkpoint.dir")
+        restore = {"paths": saved["paths"], "partition": saved["partition"],
+                   "num_ps": saved["num_ps"], "step": restored.step}
+    shards = []
+    for k in range(topo.num_ps):
+        spec = TableShardSpec(
+            first + k, torch.empty(0), cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
+            restored.step if restored else 0, None, cfg.checkpoint.dir,
+            cfg.checkpoint.every_steps, build_faults(cfg.fault, "ps", k, topo.restart_count),
+            None, f"ps{k}/tables", ps=k, num_ps=topo.num_ps, tables=specs, seed=cfg.train.seed,
+            sparse=cfg.sparse, restore=restore)
+        shards.append(comm.remote(topo.ps_names[k], TableShard, args=(spec,)))
+    comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
+    return shards
+
+
+def _spec_dict(t) -> dict:
+    return {"name": t.name, "num_rows": t.num_rows, "dim": t.dim}
 
 
 def _shard_stats(restored: Optional[checkpoint.Restored], layout: Layout) -> list:

@@ -111,7 +111,8 @@ def _refuse_committed(folder: Path) -> None:
 def save_shard(root: Path, state: dict) -> dict:
     """Write one shard's state (already a snapshot); returns what the manifest records.
     Raises StepCommitted if the step's folder is already committed."""
-    return _save(root, state["version"], shard_file(state["shard"]), {"format": FORMAT, **state})
+    name = state.pop("file", None) or shard_file(state["shard"])  # a table shard names its own
+    return _save(root, state["version"], name, {"format": FORMAT, **state})
 
 
 def _save(root: Path, step: int, name: str, obj: dict) -> dict:
@@ -134,13 +135,15 @@ def save_buffers(root: Path, step: int, buffers: dict[str, torch.Tensor]) -> dic
 
 
 def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], extra: dict,
-                   buffers: Optional[dict] = None) -> None:
+                   buffers: Optional[dict] = None, tables: Optional[dict] = None) -> None:
     """The commit point: written last, once every file it lists is on disk. `buffers`: the
-    entry save_buffers returned."""
+    entry save_buffers returned; `tables`: the embedding tables' specs, partition and files."""
     manifest = {"format": FORMAT, "step": step, "num_shards": layout.num_shards,
                 "layout": layout.to_dict(), "files": files, **extra}
     if buffers is not None:
         manifest["buffers"] = buffers
+    if tables is not None:
+        manifest["tables"] = tables
     folder = step_dir(root, step)
     try:
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), exclusive=True)
@@ -177,6 +180,8 @@ class Restored:
     shards: list[dict]  # per saved shard: {"params": flat, "optimizer": state_dict, ...}
     manifest: dict
     buffers: Optional[dict[str, torch.Tensor]] = None  # None: saved before buffers were
+    tables: Optional[dict] = None  # embedding tables: specs, partition, num_ps, paths (checked,
+    # not loaded here: each PS reads its rows from them itself)
 
 
 def _load_step(step: int, folder: Path) -> Restored:
@@ -208,11 +213,21 @@ def _load_step(step: int, folder: Path) -> Restored:
         if problem:
             raise ValueError(f"{path} does not match {mpath}: {problem}")
         buffers = saved["buffers"]
-    return Restored(step, layout, shards, manifest, buffers)
+    tables = None
+    if "tables" in manifest:
+        t = manifest["tables"]
+        paths = []
+        for entry in t["files"]:
+            path = folder / entry["file"]
+            _check_file(path, entry)
+            paths.append(str(path))
+        tables = {"specs": t["specs"], "partition": t["partition"], "num_ps": t["num_ps"],
+                  "paths": paths}
+    return Restored(step, layout, shards, manifest, buffers, tables)
 
 
-def _load_file(path: Path, entry: dict):
-    """One file of a step, checked against its manifest entry, loaded with weights_only."""
+def _check_file(path: Path, entry: dict) -> bytes:
+    """A file of a step, checked against its manifest entry (size and sha256); its bytes."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -220,6 +235,12 @@ def _load_file(path: Path, entry: dict):
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ValueError(f"{path} is truncated or corrupt ({len(data)} bytes, manifest says "
                          f"{entry['bytes']})")
+    return data
+
+
+def _load_file(path: Path, entry: dict):
+    """One file of a step, checked against its manifest entry, loaded with weights_only."""
+    data = _check_file(path, entry)
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:

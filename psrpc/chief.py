@@ -215,6 +215,9 @@ class Chief:
             stopped_early=self.stopped_early,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
         outputs.write_outputs(self.out_dir, state, summary)
+        if self.plan.table_shards:  # each PS writes its rows itself: tables/ps<k>.pt
+            comm.wait_all([comm.invoke(t, "export", str(self.out_dir))
+                           for t in self.plan.table_shards])
         outputs.log_done(summary, self.out_dir)
         return summary
 

@@ -136,6 +136,25 @@ class AdamConfig(OptimConfig):
 
 
 @dataclass
+class SparseConfig:
+    """Embedding tables (psrpc.sparse.EmbeddingTables in the model): where their rows live and
+    how the PS updates them."""
+
+    partition: str = MISSING
+    """How rows are spread over the PS: mod (row r on ps r % P) or div (contiguous ranges)."""
+    optimizer: str = MISSING
+    """Row-sparse optimizer on the PS: sgd, adagrad (row-wise, FBGEMM's) or adam (lazy)."""
+    lr: float = MISSING
+    """Learning rate of the tables (optim.schedule scales it too)."""
+    eps: float = MISSING
+    """adagrad / adam: added to the denominator."""
+    weight_decay: float = MISSING
+    """sgd / adagrad: L2 penalty on the touched rows."""
+    betas: list[float] = MISSING
+    """adam: coefficients of the moments."""
+
+
+@dataclass
 class TrainConfig:
     steps: int = MISSING
     """Global steps (sync: rounds; async: applied pushes)."""
@@ -218,6 +237,7 @@ class Config:
     """Group: accuracy | mse | auc | custom; the test metric (summary: test_<name>)."""
     optim: Any = MISSING
     """Group: sgd | adam."""
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -359,6 +379,7 @@ def validate(cfg: Config) -> None:
         _check(0 <= f.nan_at_step < t.steps, "fault.nan_at_step", f.nan_at_step,
                f"must be a step in 0..{t.steps - 1} (train.steps={t.steps}), or it never happens")
     _validate_optim(cfg.optim)
+    _validate_sparse(cfg.sparse)
     _validate_hooks(cfg.hooks)
     _validate_factories(cfg)
 
@@ -388,6 +409,22 @@ def _validate_optim(o) -> None:
     _check(_finite(o.gamma), "optim.gamma", o.gamma, "must be a finite number ≥ 0")
     _check(_finite(o.min_lr) and o.min_lr <= o.lr, "optim.min_lr", o.min_lr,
            f"must be in [0, optim.lr={o.lr}]")
+
+
+def _validate_sparse(sp) -> None:
+    from psrpc.sparse.optim import SPARSE_OPTIMIZERS
+    from psrpc.sparse.rows import Partition
+
+    _check(sp.partition in Partition.STRATEGIES, "sparse.partition", sp.partition,
+           f"must be one of {list(Partition.STRATEGIES)}")
+    _check(sp.optimizer in SPARSE_OPTIMIZERS, "sparse.optimizer", sp.optimizer,
+           f"must be one of {sorted(SPARSE_OPTIMIZERS)}")
+    _check(_finite(sp.lr), "sparse.lr", sp.lr, "must be a finite number ≥ 0")
+    _check(_finite(sp.eps), "sparse.eps", sp.eps, "must be a finite number ≥ 0")
+    _check(_finite(sp.weight_decay), "sparse.weight_decay", sp.weight_decay,
+           "must be a finite number ≥ 0")
+    _check(len(sp.betas) == 2 and all(_finite(b) and b < 1 for b in sp.betas), "sparse.betas",
+           list(sp.betas), "must be two numbers in [0, 1)")
 
 
 _HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}

@@ -138,8 +138,16 @@ def load_data(cfg) -> Data:
     return data
 
 
-def build_model(cfg, data: Data) -> torch.nn.Module:
-    model = instantiate("model", cfg.model, data.info)
+def build_model(cfg, data: Data, remote_tables: bool = True) -> torch.nn.Module:
+    """The model; its embedding tables (psrpc.sparse.EmbeddingTables) hold no rows unless
+    `remote_tables` is False (a peer outside psrpc): psrpc keeps them on the PS."""
+    from psrpc.sparse import tables
+
+    if remote_tables:
+        with tables.remote_tables():
+            model = instantiate("model", cfg.model, data.info)
+    else:
+        model = instantiate("model", cfg.model, data.info)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model._target_={cfg.model['_target_']!r} returned a "
                           f"{type(model).__name__}, not a torch.nn.Module")
@@ -171,6 +179,19 @@ def check_run(cfg) -> None:
     for key in ("model", "loss", "metric"):
         check_arguments(key, getattr(cfg, key), data.info)
     model, loss_fn, metric = build_model(cfg, data), build_loss(cfg, data), build_metric(cfg, data)
+    from psrpc.sparse.client import DryRows
+    from psrpc.sparse.tables import find_tables
+
+    tables = find_tables(model)
+    for t in tables:
+        t.bind(DryRows(t.specs))  # no server to ask yet: zeros, the shapes are what matter
+    names = [s.name for t in tables for s in t.specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"model._target_={cfg.model['_target_']!r}: embedding table names "
+                          f"must be unique across the model, got {names}")
+    if tables and cfg.parallel.name == "model":
+        raise ConfigError("parallel=model with embedding tables: tables live on the PS and are "
+                          "looked up by data-parallel workers; use parallel=data")
     try:
         x, y = default_collate([data.train[i] for i in range(min(2, len(data.train)))])
     except Exception as e:

@@ -48,10 +48,13 @@ def split_batch(batch: Any, parts: int) -> list:
 
 def fetch(dataset: Dataset, idx: torch.Tensor, seed: int = 0, first: int = 0) -> Any:
     """The collated items `idx` of `dataset`: whole tensors indexed at once for a
-    TensorDataset (no per-sample Python); otherwise item by item, each seeded (see above).
-    `first` is the position in the sample stream of idx[0] (for the epoch in the seed)."""
+    TensorDataset, or by the dataset's own `batch(indices)` when it has one (no per-sample
+    Python); otherwise item by item, each seeded (see above). `first` is the position in the
+    sample stream of idx[0] (for the epoch in the seed)."""
     if isinstance(dataset, TensorDataset):
         return tuple(t[idx] for t in dataset.tensors)
+    if callable(getattr(dataset, "batch", None)):
+        return dataset.batch(idx)
     n = len(dataset)
     items = []
     for pos, i in enumerate(idx.tolist()):
@@ -107,7 +110,8 @@ class StepBatches:
         self._iter = None
         self._coming = 0  # the step the loader hands out next
         self._window = 2 * num_workers  # steps it prepares ahead (prefetch_factor 2)
-        if num_workers > 0 and not isinstance(dataset, TensorDataset):
+        batched = isinstance(dataset, TensorDataset) or callable(getattr(dataset, "batch", None))
+        if num_workers > 0 and not batched:  # a batch at a time is already cheap
             self._sampler = _Steps(self._keys)
             self._loader = DataLoader(
                 _Tagged(dataset, seed), batch_sampler=self._sampler, num_workers=num_workers,

@@ -6,8 +6,11 @@ program may have left anything there. Each check returns what is wrong (None: no
 somewhere deep in the restore with a KeyError.
 
     manifest.json  {"format", "step", "num_shards", "layout", "files": [entry per shard],
-                    "buffers": entry (optional: older checkpoints have none), ...}
-    entry          {"file": "shard-K.pt" | "buffers.pt", "bytes": int >= 0, "sha256": 64 hex}
+                    "buffers": entry (optional: older checkpoints have none),
+                    "tables": {"specs": [{name, num_rows, dim}], "partition", "num_ps",
+                               "files": [entry per PS]} (only with embedding tables), ...}
+    entry          {"file": "shard-K.pt" | "buffers.pt" | "tables-K.pt", "bytes": int >= 0,
+                    "sha256": 64 hex}
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ def manifest_problem(m: Any, step: int) -> tuple[Optional[str], Optional[Layout]
         problem = entry_problem(m["buffers"], BUFFERS_FILE)
         if problem:
             return f"buffers: {problem}", None
+    if "tables" in m:
+        problem = tables_problem(m["tables"])
+        if problem:
+            return f"tables: {problem}", None
     try:
         layout = Layout.from_dict(m["layout"])
     except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -88,6 +95,28 @@ def manifest_problem(m: Any, step: int) -> tuple[Optional[str], Optional[Layout]
     if problem is None and layout.num_shards != n:
         problem = f"{layout.num_shards} shards, num_shards says {n}"
     return (f"layout: {problem}", None) if problem else (None, layout)
+
+
+def tables_problem(t: Any) -> Optional[str]:
+    """The embedding tables' part: their specs, their partition and one file per PS."""
+    if not isinstance(t, dict) or not {"specs", "partition", "num_ps", "files"} <= set(t):
+        return "expected an object with specs, partition, num_ps and files"
+    if t["partition"] not in ("mod", "div") or not _is_int(t["num_ps"], 1):
+        return f"partition {t['partition']!r} over num_ps {t['num_ps']!r}"
+    specs = t["specs"]
+    if not isinstance(specs, list) or not specs or not all(
+            isinstance(s, dict) and set(s) == {"name", "num_rows", "dim"}
+            and isinstance(s["name"], str) and _is_int(s["num_rows"], 1) and _is_int(s["dim"], 1)
+            for s in specs):
+        return "specs must be a list of {name, num_rows, dim}"
+    files = t["files"]
+    if not isinstance(files, list) or len(files) != t["num_ps"]:
+        return f"files must be a list of num_ps={t['num_ps']} entries"
+    for k, entry in enumerate(files):
+        problem = entry_problem(entry, f"tables-{k}.pt")
+        if problem:
+            return f"files[{k}]: {problem}"
+    return None
 
 
 def layout_problem(layout: Layout) -> Optional[str]:

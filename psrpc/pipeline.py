@@ -42,7 +42,8 @@ from psrpc.layout import Layout
 from psrpc.loader import split_batch, to_device
 from psrpc.shard import WIRE_DTYPES, Reply
 from psrpc.topology import Topology
-from psrpc.worker import Plan, Replica, ShardClient, load_buffers, pick_device
+from psrpc.worker import (Plan, Replica, ShardClient, load_buffers, model_buffers,
+                          pick_device)
 
 _NO_PARAMS = torch.empty(0)
 
@@ -184,7 +185,7 @@ class Stage:
     def buffers(self) -> dict[str, torch.Tensor]:
         """This stage's buffers (BatchNorm statistics), named as in the full model."""
         with self.compute_lock:
-            return {n: b.detach().cpu().clone() for n, b in self.module.named_buffers()}
+            return {n: b.detach().cpu().clone() for n, b in model_buffers(self.module).items()}
 
     @comm.async_execution
     def forward(self, x: torch.Tensor, micro: int):

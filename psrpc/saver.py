@@ -31,7 +31,12 @@ class CheckpointSaver(Hook):
                  buffers: Callable[[], dict] = dict, wait_s: float = 60.0):
         ck = cfg.checkpoint
         self.root, self.every_steps, self.every_s, self.keep = ck.dir, ck.every_steps, ck.every_s, ck.keep
-        self.shards, self.layout = plan.all_shards, plan.layout
+        self.shards, self.layout = plan.all_shards + plan.table_shards, plan.layout
+        self.dense = len(plan.all_shards)  # then one table shard per PS, if the model has tables
+        self.tables = ({"specs": [{"name": t.name, "num_rows": t.num_rows, "dim": t.dim}
+                                  for t in plan.table_specs],
+                        "partition": plan.partition, "num_ps": len(plan.table_shards)}
+                       if plan.table_shards else None)
         self.start = start_step  # 0, or the step this run restored from
         self.margin = margin  # steps ahead a time-based save is asked for
         self.extra = {"model": cfg.model["_target_"], "optim": cfg.optim.name,
@@ -96,8 +101,8 @@ class CheckpointSaver(Hook):
 
     def _commit(self, step: int, futures, buffers: PyFuture) -> bool:
         infos = [f.wait() for f in futures]
-        missing = [f"ps{self.layout.shard_ps[k]}/shard{k}"  # shard k is not always on ps{k}
-                   for k, info in enumerate(infos) if info is None]
+        missing = [f"ps{self.layout.shard_ps[k]}/shard{k}" if k < self.dense  # not always ps{k}
+                   else f"ps{k - self.dense}/tables" for k, info in enumerate(infos) if info is None]
         if missing:
             log.info("checkpoint step %d not made (%s did not save it); keeping the last one",
                      step, ", ".join(missing))
@@ -112,7 +117,10 @@ class CheckpointSaver(Hook):
             return False
         try:
             entry = checkpoint.save_buffers(self.root, step, state)
-            checkpoint.write_manifest(self.root, step, self.layout, infos, self.extra, entry)
+            tables = ({**self.tables, "files": infos[self.dense:]}
+                      if self.tables is not None else None)
+            checkpoint.write_manifest(self.root, step, self.layout, infos[:self.dense],
+                                      self.extra, entry, tables)
         except checkpoint.StepCommitted as e:
             log.warning("checkpoint step %d not made: %s", step, e)
             return False

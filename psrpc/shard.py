@@ -100,13 +100,7 @@ class Shard:
     def __init__(self, spec: ShardSpec):
         self.index = spec.index  # global shard number (stage · P + k); 0 is the clock shard
         self.name = spec.name or f"ps{spec.index}"
-        self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
-        self.optimizer = build_optimizer([self.params], spec.optim)
-        if spec.optim_state is not None:  # through load_state_dict: it casts and places it
-            restored = self.optimizer.state_dict()
-            restored["state"] = {0: spec.optim_state} if spec.optim_state else {}
-            self.optimizer.load_state_dict(restored)
-        self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._init_state(spec)
         self.optim_cfg = spec.optim  # the schedule: lr by global step
         self.total_steps = spec.max_steps
         self.wire_dtype = WIRE_DTYPES[spec.update.wire_dtype]
@@ -122,6 +116,17 @@ class Shard:
                                         self._snapshot)
         self.updater = build_updater(self, spec.update, spec.num_workers)  # needs all above
 
+    def _init_state(self, spec: ShardSpec) -> None:
+        """The master copy and its optimizer (a dense shard: one flat tensor)."""
+        self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
+        self.optimizer = build_optimizer([self.params], spec.optim)
+        if spec.optim_state is not None:  # through load_state_dict: it casts and places it
+            restored = self.optimizer.state_dict()
+            restored["state"] = {0: spec.optim_state} if spec.optim_state else {}
+            self.optimizer.load_state_dict(restored)
+        self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._sum: Optional[torch.Tensor] = None  # float32, a sync round's gradient sum
+
     # -- the verbs (called through the RRef) -----------------------------------------------------
     @comm.async_execution
     def push_pull(self, worker: int, version: int, grad: torch.Tensor, loss: float,
@@ -136,9 +141,7 @@ class Shard:
         except PushRejected as e:
             return comm.failed(e)
         try:
-            # One float32 sum: NaN and ±Inf propagate into it (a finite gradient overflowing
-            # float32 in sum would be absurd); 20× cheaper than isfinite(grad).all()'s mask.
-            finite = math.isfinite(loss) and bool(torch.isfinite(grad.sum(dtype=torch.float32)))
+            finite = math.isfinite(loss) and self._finite(grad)
             return self.updater.push(worker, version, grad if finite else None, loss, samples,
                                      ticket)
         finally:
@@ -232,6 +235,27 @@ class Shard:
     def finished(self) -> bool:
         return self.version >= self.max_steps
 
+    def _finite(self, grad: torch.Tensor) -> bool:
+        # One float32 sum: NaN and ±Inf propagate into it (a finite gradient overflowing
+        # float32 in sum would be absurd); 20× cheaper than isfinite(grad).all()'s mask.
+        return bool(torch.isfinite(grad.sum(dtype=torch.float32)))
+
+    def average(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of a sync round's gradients, summed left to right (worker order) in
+        float32."""
+        if len(grads) == 1:
+            return grads[0]
+        if self._sum is None:
+            self._sum = torch.zeros_like(self.params)
+        total = self._sum
+        if grads[0].dtype == torch.float32 and grads[1].dtype == torch.float32:
+            torch.add(grads[0], grads[1], out=total)
+        else:  # sum bf16/fp16 gradients in float32, not in their own precision
+            total.copy_(grads[0]).add_(grads[1])
+        for g in grads[2:]:
+            total.add_(g)
+        return total.div_(len(grads))
+
     def step_optimizer(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
         """One optimizer step on the master copy with this (already averaged) gradient, at the
         learning rate the schedule gives this step (times `lr_scale`: staleness_lr). The caller
@@ -307,18 +331,7 @@ class Shard:
         """Every argument of a push, before anything changes."""
         name = self.name
         self._check_worker_version(worker, version)
-        if not isinstance(grad, torch.Tensor):
-            raise PushRejected(f"{name}: worker{worker} pushed a {type(grad).__name__}, "
-                               "expected a flat tensor")
-        if grad.dim() != 1 or grad.numel() != self.params.numel():
-            raise PushRejected(f"{name}: worker{worker} pushed shape {tuple(grad.shape)}, "
-                               f"expected ({self.params.numel()},) (this shard's flat length)")
-        if grad.dtype != self.wire_dtype:
-            raise PushRejected(f"{name}: worker{worker} pushed dtype {grad.dtype}, expected "
-                               f"{self.wire_dtype} (update.wire_dtype)")
-        if grad.device.type != "cpu" or grad.layout != torch.strided:
-            raise PushRejected(f"{name}: worker{worker} pushed a {grad.layout} tensor on "
-                               f"{grad.device}, expected a dense CPU tensor")
+        self._check_payload(worker, grad)
         if type(loss) not in (int, float):
             raise PushRejected(f"{name}: worker{worker} pushed loss {loss!r}, expected a number")
         if type(samples) is not int or samples < 0:
@@ -331,3 +344,19 @@ class Shard:
         if not ordered and ticket is not None:
             raise PushRejected(f"{name}: worker{worker} pushed ticket {ticket!r}, but this "
                                "shard takes no tickets (only bounded async does)")
+
+    def _check_payload(self, worker: int, grad) -> None:
+        """A dense shard's gradient: one flat CPU tensor of its length, in the wire dtype."""
+        name = self.name
+        if not isinstance(grad, torch.Tensor):
+            raise PushRejected(f"{name}: worker{worker} pushed a {type(grad).__name__}, "
+                               "expected a flat tensor")
+        if grad.dim() != 1 or grad.numel() != self.params.numel():
+            raise PushRejected(f"{name}: worker{worker} pushed shape {tuple(grad.shape)}, "
+                               f"expected ({self.params.numel()},) (this shard's flat length)")
+        if grad.dtype != self.wire_dtype:
+            raise PushRejected(f"{name}: worker{worker} pushed dtype {grad.dtype}, expected "
+                               f"{self.wire_dtype} (update.wire_dtype)")
+        if grad.device.type != "cpu" or grad.layout != torch.strided:
+            raise PushRejected(f"{name}: worker{worker} pushed a {grad.layout} tensor on "
+                               f"{grad.device}, expected a dense CPU tensor")

@@ -41,7 +41,6 @@ class SyncAggregator:
         self.timeout_s = float(cfg.timeout_s)
         self.live = LiveSet(num_workers)
         shard.losses = deque(maxlen=1)  # recent_loss is the last round's mean
-        self._sum = torch.zeros_like(shard.params)  # float32, the round's gradient sum
         self._new_round()
         self._watchdog = Watchdog(self._check_timeout, min(0.1, self.timeout_s / 10),
                                   f"{shard.name}-round-timeout")
@@ -101,7 +100,7 @@ class SyncAggregator:
         try:
             if workers:
                 loss = sum(self._losses[w] for w in workers) / len(workers)
-                shard.step_optimizer(self._average([self._grads[w] for w in workers]))
+                shard.step_optimizer(shard.average([self._grads[w] for w in workers]))
                 for w in workers:
                     shard.stats.applied(w, 0)
                 shard.stats.samples += self._samples
@@ -120,19 +119,6 @@ class SyncAggregator:
             reply = e
         self._new_round()
         return future, reply
-
-    def _average(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of `grads`, summed left to right (worker order) in float32."""
-        if len(grads) == 1:
-            return grads[0]
-        total = self._sum
-        if grads[0].dtype == torch.float32 and grads[1].dtype == torch.float32:
-            torch.add(grads[0], grads[1], out=total)
-        else:  # sum bf16/fp16 gradients in float32, not in their own precision
-            total.copy_(grads[0]).add_(grads[1])
-        for g in grads[2:]:
-            total.add_(g)
-        return total.div_(len(grads))
 
     def _check_timeout(self) -> None:
         shard, done = self.shard, None

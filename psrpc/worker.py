@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -31,6 +31,8 @@ from psrpc.faults import build_faults
 from psrpc.flat import FlatModel
 from psrpc.layout import Layout
 from psrpc.loader import StepBatches
+from psrpc.sparse.client import RowClient
+from psrpc.sparse.tables import find_tables
 from psrpc.shard import WIRE_DTYPES, Reply
 from psrpc.topology import Topology
 
@@ -46,6 +48,9 @@ class Plan:
     cuts: list[int]  # index of each stage's first layer (data parallel: [0])
     restored_from_step: Optional[int] = None
     buffers: Optional[dict[str, torch.Tensor]] = None  # restored buffers, full-model names
+    table_shards: list = field(default_factory=list)  # RRef of each PS's TableShard (k: ps{k})
+    table_specs: list = field(default_factory=list)  # TableSpec of every embedding table
+    partition: str = "mod"  # sparse.partition
 
     @property
     def layout(self) -> Layout:
@@ -113,6 +118,13 @@ class ShardClient:
                           for rref in self.shards])
 
 
+def model_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers (BatchNorm statistics: in its state_dict, not parameters,
+    so on no shard), by name; a buffer registered persistent=False is not state."""
+    params = {n for n, _ in module.named_parameters()}
+    return {n: b for n, b in module.state_dict(keep_vars=True).items() if n not in params}
+
+
 def load_buffers(module: torch.nn.Module, buffers: Optional[dict[str, torch.Tensor]]) -> None:
     """A restored checkpoint's buffers (BatchNorm statistics, saved from the chief's replica)
     into `module` (a whole model or a pipeline stage, named as in the whole model). Every
@@ -121,7 +133,7 @@ def load_buffers(module: torch.nn.Module, buffers: Optional[dict[str, torch.Tens
     if buffers is None:
         return
     with torch.no_grad():
-        for name, buf in module.named_buffers():
+        for name, buf in model_buffers(module).items():
             buf.copy_(buffers[name])
 
 
@@ -219,23 +231,39 @@ class Worker(Replica):
         self.flat = FlatModel(self.model, plan.layouts[0], self.device,
                               WIRE_DTYPES[cfg.update.wire_dtype])
         self.client = ShardClient(plan.shards[0], self.index)
+        # Embedding tables live on the PS: the model's look their rows up there.
+        self.tables = find_tables(self.model)
+        self.rows = (RowClient(plan.table_shards, plan.table_specs, plan.partition, self.index)
+                     if self.tables else None)
+        for t in self.tables:
+            t.bind(self.rows)
+        self.table_versions: list[int] = []
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """This replica's buffers (BatchNorm statistics: not parameters, so not on the PS)."""
-        return {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()}
+        return {n: b.detach().cpu().clone() for n, b in model_buffers(self.model).items()}
 
     def load(self, replies: list[Reply]) -> list[int]:
         for k, r in enumerate(replies):
             self.flat.load(k, r.params)
+        if self.rows is not None:  # the table shards' versions (their rows are pulled per batch)
+            self.table_versions = [r.version for r in self.rows.pull_versions()]
         return [r.version for r in replies]
 
     def receive(self, futures: list) -> list[Reply]:
-        """Wait for each shard's reply and copy it in at once, while later ones still arrive."""
+        """Wait for each shard's reply and copy it in at once, while later ones still arrive;
+        then the table shards' replies (after the dense ones in `futures`)."""
+        dense = len(self.flat.params)
         replies = []
-        for k, fut in enumerate(futures):
+        for k, fut in enumerate(futures[:dense]):
             (reply,) = self.client.wait([fut], first=k)
             self.flat.load(k, reply.params)
             replies.append(reply)
+        if self.rows is not None:
+            tables = comm.wait_all(futures[dense:])
+            self.table_versions = [r.version for r in tables]
+            replies[0] = replace(replies[0], skipped=replies[0].skipped or any(
+                r.skipped for r in tables))
         return replies
 
     def step(self, step: int, versions: list[int]) -> tuple[float, Optional[list]]:
@@ -265,21 +293,35 @@ class Worker(Replica):
         self.faults.before_backward(step)
         loss.backward()
         rest = self.flat.disarm() if overlap else list(range(len(versions)))
+        table_grads = self.table_gradients()
         if nan:
-            self.faults.corrupt(step, self.flat.all_grads())
+            self.faults.corrupt(step, self.flat.all_grads() + [g for _, g in
+                                                               table_grads.values()])
         if clip:  # this worker's own gradient norm (the round averages clipped gradients)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(
+                list(self.model.parameters()) + [_Grad(g) for _, g in table_grads.values()],
+                clip)
         if self.bounded:
             # After a pull the shards' versions can differ (tickets still in flight): the
             # oldest one bounds this gradient's staleness on every shard.
-            admitted = self.client.admit(self.clock, min(versions))
+            admitted = self.client.admit(self.clock, min(versions + self.table_versions))
             if admitted.seq is None:
                 self.finished = admitted.finished
                 return value, None
             ticket = admitted.seq
         for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
+        if self.rows is not None:  # every table shard, after backward has reached the tables
+            futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
+                                            ticket)
         return value, futures
+
+    def table_gradients(self) -> dict:
+        """{table: (unique global rows, row gradients)} of the last backward."""
+        grads = {}
+        for t in self.tables:
+            grads.update(t.take_gradients())
+        return grads
 
     def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
         """Train until the shards say training is finished. `after_step` is the chief's hook;
@@ -309,6 +351,13 @@ class Worker(Replica):
             self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if after_step(replies[0], t2 - t1, loss):
                 break
+
+
+class _Grad:
+    """A tensor seen as a parameter whose .grad it is (for clip_grad_norm_)."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad
 
 
 def _first_line(e: BaseException) -> str:

@@ -238,8 +238,9 @@ def _saver(root, start_step=0, every_steps=3):
     cfg = NS(checkpoint=NS(dir=str(root), every_steps=every_steps, every_s=0, keep=5),
              model={"_target_": "psrpc.models.mlp"}, optim=NS(name="sgd"), update=NS(name="sync"),
              cluster=NS(num_workers=1))
-    return CheckpointSaver(cfg, NS(all_shards=["ps0's shard"], layout=None), start_step,
-                           margin=1)
+    plan = NS(all_shards=["ps0's shard"], layout=None, table_shards=[], table_specs=[],
+              partition="mod")
+    return CheckpointSaver(cfg, plan, start_step, margin=1)
 
 
 def test_saver_does_not_ask_for_a_committed_step(tmp_path, caplog, monkeypatch):
@@ -276,7 +277,7 @@ def test_saver_writes_the_chiefs_buffers_of_each_step_before_its_manifest(tmp_pa
     monkeypatch.setattr(comm, "invoke", lambda shard, method, *a, **kw: getattr(shard, method)(*a))
     real_write = checkpoint.write_manifest
 
-    def write_manifest(root, step, layout, files, extra, buffers=None):
+    def write_manifest(root, step, layout, files, extra, buffers=None, tables=None):
         data = (checkpoint.step_dir(root, step) / "buffers.pt").read_bytes()
         assert buffers == {"file": "buffers.pt", "bytes": len(data),
                            "sha256": hashlib.sha256(data).hexdigest()}
@@ -285,7 +286,7 @@ def test_saver_writes_the_chiefs_buffers_of_each_step_before_its_manifest(tmp_pa
     monkeypatch.setattr(checkpoint, "write_manifest", write_manifest)
     chief_at = [0]  # the chief's step: its buffers below say which step they were taken at
     saver = _saver(tmp_path, every_steps=3)
-    saver.shards, saver.layout = shards, layout
+    saver.shards, saver.layout, saver.dense = shards, layout, len(shards)
     saver.buffers = lambda: {"bn.running_mean": torch.tensor([float(chief_at[0])])}
     for step in range(7):
         for sh, n in zip(shards, layout.shard_numel):
@@ -417,7 +418,8 @@ def test_saver_asks_for_steps_in_increasing_order(monkeypatch):
     cfg = NS(checkpoint=NS(dir="unused", every_steps=10, every_s=1e-9, keep=2),
              model={"_target_": "psrpc.models.mlp"}, optim=NS(name="sgd"), update=NS(name="async"),
              cluster=NS(num_workers=8))
-    saver = CheckpointSaver(cfg, NS(all_shards=[], layout=None), start_step=0, margin=16)
+    plan = NS(all_shards=[], layout=None, table_shards=[], table_specs=[], partition="mod")
+    saver = CheckpointSaver(cfg, plan, start_step=0, margin=16)
     asked = []
     monkeypatch.setattr(saver, "save", asked.append)
     for step in range(1, 40):

@@ -1,7 +1,17 @@
-"""The local (single-process) form of a set of embedding tables: one `nn.EmbeddingBag` per table,
-holding the whole table. The reference the parameter-server tables are checked against, and what
-DDP peers use in benchmarks. Initial values are `init_rows` of every row, so they equal what the
-PS shards of the same tables start from, however they are partitioned.
+"""Embedding tables as a model uses them: `EmbeddingTables(specs)`, one module for all of a
+model's tables (TorchRec's EmbeddingBagCollection), `forward(features) -> {name: (B, dim)}`.
+
+Two forms, the same module:
+- local (built anywhere else): one `nn.EmbeddingBag` per table, holding the whole table. The
+  reference the parameter-server tables are checked against, and what DDP peers use in
+  benchmarks. Initial values are `init_rows` of every row, so they equal what the PS shards of the
+  same tables start from, however they are partitioned.
+- remote (built by psrpc inside `remote_tables()`, on every worker): holds no table at all. A
+  forward takes the unique rows of the batch for every table, pulls them from the parameter
+  servers that own them (all in flight at once, through the `RowClient` psrpc binds), pools them
+  with `F.embedding_bag` on a leaf tensor of just those rows, and keeps the leaves: after
+  backward, `take_gradients()` gives each table's (unique rows, row gradients), coalesced by
+  construction, for the push.
 
 A feature is a LongTensor of ids: (B,) single-valued, or (B, L) multi-valued padded with -1.
 Padding is left out of the bag (mean pooling divides by the ids present); a bag with no ids
@@ -11,12 +21,32 @@ padding is removed.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from psrpc.sparse.rows import TableSpec, init_rows, table_seed
 
 PAD = -1
+_MODE = threading.local()
+
+
+@contextmanager
+def remote_tables():
+    """EmbeddingTables built inside hold no rows: their lookups go to the parameter servers."""
+    before = getattr(_MODE, "remote", False)
+    _MODE.remote = True
+    try:
+        yield
+    finally:
+        _MODE.remote = before
+
+
+def find_tables(model: nn.Module) -> list["EmbeddingTables"]:
+    return [m for m in model.modules() if isinstance(m, EmbeddingTables)]
 
 
 def bag_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +78,11 @@ class EmbeddingTables(nn.Module):
             raise ValueError(f"table names must be unique, non-empty and without '.': {names}")
         self.specs = list(specs)
         self.bags = nn.ModuleDict()
+        self.remote = getattr(_MODE, "remote", False)
+        self.client = None  # remote: the RowClient psrpc binds
+        self._leaves: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        if self.remote:
+            return
         for spec in self.specs:
             weight = init_rows(torch.arange(spec.num_rows), spec.dim, table_seed(seed, spec.name),
                                spec.init_scale)  # given as _weight: no random init to overwrite
@@ -58,8 +93,63 @@ class EmbeddingTables(nn.Module):
         missing = [s.name for s in self.specs if s.name not in features]
         if missing:
             raise KeyError(f"features {missing} missing (got {sorted(features)})")
+        if self.remote:
+            return self._remote_forward(features)
         out = {}
         for spec in self.specs:
             flat, offsets = bag_inputs(features[spec.name])
             out[spec.name] = self.bags[spec.name](spec.rows(flat), offsets)
         return out
+
+    # -- remote form -----------------------------------------------------------------------------
+    def bind(self, client) -> None:
+        """psrpc's RowClient: `pull({table: unique global rows}) -> {table: (U, dim)}`."""
+        self.client = client
+
+    def _remote_forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.client is None:
+            raise RuntimeError("EmbeddingTables built by psrpc for the parameter servers, used "
+                               "without a RowClient bound")
+        bags = {}
+        for spec in self.specs:
+            flat, offsets = bag_inputs(features[spec.name])
+            rows, inverse = torch.unique(spec.rows(flat).cpu(), sorted=True, return_inverse=True)
+            bags[spec.name] = (rows, inverse, offsets)
+        values = self.client.pull({n: b[0] for n, b in bags.items()})  # all tables at once
+        track = torch.is_grad_enabled()
+        self._leaves = []
+        out = {}
+        for spec in self.specs:
+            rows, inverse, offsets = bags[spec.name]
+            device = features[spec.name].device
+            weight = values[spec.name].to(device).requires_grad_(track)
+            if track:
+                self._leaves.append((spec.name, rows, weight))
+            out[spec.name] = F.embedding_bag(inverse.to(device), weight, offsets.to(device),
+                                             mode=spec.pooling)
+        return out
+
+    def take_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """After backward: {table: (unique global rows, their gradients on CPU)} of the last
+        forward (rows no output used get zero gradients)."""
+        out = {}
+        for name, rows, weight in self._leaves:
+            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+            out[name] = (rows, grad.detach().to("cpu", torch.float32))
+        self._leaves = []
+        return out
+
+    def __deepcopy__(self, memo):
+        """The remote form shares its client (RRefs are not copied); the local form copies."""
+        if not self.remote:
+            clone = EmbeddingTables.__new__(EmbeddingTables)
+            memo[id(self)] = clone
+            nn.Module.__init__(clone)
+            clone.specs, clone.remote, clone.client, clone._leaves = self.specs, False, None, []
+            clone.bags = __import__("copy").deepcopy(self.bags, memo)
+            return clone
+        with remote_tables():
+            clone = EmbeddingTables(self.specs)
+        clone.client = self.client
+        memo[id(self)] = clone
+        return clone

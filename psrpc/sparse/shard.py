@@ -1,0 +1,277 @@
+"""The parameter server's part of every embedding table: `TableShard`, one per PS.
+
+PS k holds the rows of every table that the partition gives it (`sparse.partition`: "mod",
+row r on r % P; "div", contiguous ranges), created at start from `init_rows` (a function of the
+table's seed and the row: the same values whatever the partition), and a row-sparse optimizer per
+table (`sparse.optimizer`: sgd, row-wise adagrad, lazy adam) whose state is sharded like the
+rows. A worker never allocates a table: it pulls the rows of its batch (`pull_rows`) and pushes
+their gradients (`push_pull` with {table: (local rows, gradients)}).
+
+It is a `Shard` in every other respect: the same version (one per global step, in step with the
+dense shards), the same sync rounds and async rules (the aggregator sums the round's row
+gradients in worker order and divides by the number of gradients, TensorFlow's
+SparseConditionalAccumulator averaging, so that sync W × B equals 1 × W·B), the same checks,
+non-finite handling, freezing and step-consistent checkpoints. Every table is stepped once per
+update even when the update touched none of its rows (LazyAdam's bias correction counts steps:
+the result must not depend on how rows are spread over servers).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from psrpc import comm
+from psrpc.checkpoint import write_atomic
+from psrpc.errors import PsrpcError, PushRejected
+from psrpc.schedule import lr_factor
+from psrpc.shard import Reply, Shard, ShardSpec, ShardStats
+from psrpc.sparse.optim import build_sparse_optimizer
+from psrpc.sparse.rows import Partition, TableSpec, init_rows, table_seed
+
+log = logging.getLogger(__name__)
+_EMPTY = torch.empty(0)
+TABLES_FORMAT = "psrpc-tables-1"
+
+
+def tables_file(ps: int) -> str:
+    return f"tables-{ps}.pt"
+
+
+@dataclass
+class TableShardSpec(ShardSpec):
+    """A ShardSpec (params empty) plus what the tables need."""
+
+    ps: int = 0
+    num_ps: int = 1
+    tables: list = field(default_factory=list)  # TableSpec of every table
+    seed: int = 0  # train.seed: the tables' initial values
+    sparse: object = None  # the sparse config: optimizer, lr, partition, ...
+    restore: Optional[dict] = None  # {"paths": [old tables files], "partition", "num_ps"}
+
+
+def sparse_hyper(sparse) -> dict:
+    """The row optimizer's hyperparameters from the sparse config."""
+    if sparse.optimizer == "sgd":
+        return {"weight_decay": sparse.weight_decay}
+    if sparse.optimizer == "adagrad":
+        return {"eps": sparse.eps, "weight_decay": sparse.weight_decay}
+    return {"betas": tuple(sparse.betas), "eps": sparse.eps}
+
+
+class TableShard(Shard):
+    def __init__(self, spec: TableShardSpec):
+        self._restored_stats: Optional[dict] = None
+        super().__init__(spec)
+        if self._restored_stats is not None:  # this server's own counters, same partition
+            self.stats = ShardStats(**self._restored_stats)
+
+    def _init_state(self, spec: TableShardSpec) -> None:
+        self.ps, self.num_ps, self.sparse = spec.ps, spec.num_ps, spec.sparse
+        self.params = _EMPTY  # no dense master copy
+        self.specs: dict[str, TableSpec] = {t.name: t for t in spec.tables}
+        self.partitions = {n: Partition(t.num_rows, spec.num_ps, spec.sparse.partition)
+                           for n, t in self.specs.items()}
+        self.weights: dict[str, torch.Tensor] = {}
+        self.row_optim = {}
+        for name, t in self.specs.items():
+            rows = self.partitions[name].global_rows(self.ps)
+            self.weights[name] = init_rows(rows, t.dim, table_seed(spec.seed, name),
+                                           t.init_scale)
+            self.row_optim[name] = build_sparse_optimizer(spec.sparse.optimizer,
+                                                          self.weights[name],
+                                                          **sparse_hyper(spec.sparse))
+        if spec.restore is not None:
+            self._restore(spec.restore)
+
+    @property
+    def numel(self) -> int:
+        return sum(w.numel() for w in self.weights.values())
+
+    # -- the verbs ---------------------------------------------------------------------------------
+    def pull_rows(self, requests: dict) -> dict:
+        """{table: local rows} -> {table: their values, (U, dim) float32}: a copy, taken under
+        the lock (the next update may change the rows while the reply is written)."""
+        out = {}
+        with self.lock:
+            for name, rows in requests.items():
+                self._check_rows(name, rows, "pulled")
+                out[name] = self.weights[name].index_select(0, rows)
+        return out
+
+    def pull_full(self) -> tuple[int, torch.Tensor]:
+        with self.lock:
+            return self.version, _EMPTY
+
+    def export(self, out_dir: str) -> str:
+        """This server's rows of every table, with their global row ids, as
+        `out_dir/tables/ps<k>.pt` (written here: a table too large to gather on the chief
+        never crosses the network). psrpc.sparse.load_tables reads them back."""
+        with self.lock:
+            state = {"format": TABLES_FORMAT, "version": self.version,
+                     "partition": self.sparse.partition, "num_ps": self.num_ps,
+                     "tables": {n: {"rows": self.partitions[n].global_rows(self.ps),
+                                    "weight": w.clone(), "num_rows": self.specs[n].num_rows}
+                                for n, w in self.weights.items()}}
+        folder = Path(out_dir) / "tables"
+        folder.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        path = folder / f"ps{self.ps}.pt"
+        write_atomic(path, buf.getvalue())
+        return str(path)
+
+    # -- what the update rules use -------------------------------------------------------------------
+    def _check_payload(self, worker: int, payload) -> None:
+        if not isinstance(payload, dict):
+            raise PushRejected(f"{self.name}: worker{worker} pushed a {type(payload).__name__}, "
+                               "expected {table: (rows, gradients)}")
+        for name, item in payload.items():
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise PushRejected(f"{self.name}: worker{worker} pushed {name!r}: expected a "
+                                   "(rows, gradients) pair")
+            rows, grads = item
+            self._check_rows(name, rows, "pushed", worker)
+            dim = self.specs[name].dim
+            if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 \
+                    or grads.shape != (rows.numel(), dim) or grads.device.type != "cpu" \
+                    or grads.layout != torch.strided:
+                shape = tuple(grads.shape) if isinstance(grads, torch.Tensor) else grads
+                raise PushRejected(f"{self.name}: worker{worker} pushed gradients {shape} for "
+                                   f"{rows.numel()} rows of {name!r}; expected a float32 CPU "
+                                   f"tensor ({rows.numel()}, {dim})")
+            if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+                raise PushRejected(f"{self.name}: worker{worker} pushed rows of {name!r} that are "
+                                   "not unique and ascending (coalesce duplicate ids first)")
+
+    def _check_rows(self, name, rows, what: str, worker: Optional[int] = None) -> None:
+        who = f"worker{worker} " if worker is not None else ""
+        if name not in self.specs:
+            raise PushRejected(f"{self.name}: {who}{what} rows of unknown table {name!r} "
+                               f"(tables: {sorted(self.specs)})")
+        held = self.weights[name].shape[0]
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+            raise PushRejected(f"{self.name}: {who}{what} rows of {name!r} as "
+                               f"{type(rows).__name__}; expected a 1-D int64 tensor")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= held):
+            raise PushRejected(f"{self.name}: {who}{what} rows [{int(rows.min())}, "
+                               f"{int(rows.max())}] of {name!r}; this server holds local rows "
+                               f"[0, {held})")
+
+    def _finite(self, payload: dict) -> bool:
+        return all(bool(torch.isfinite(g.sum())) for _, g in payload.values())
+
+    def average(self, payloads: list[dict]) -> dict:
+        """A sync round's row gradients: every gradient's rows in worker order, duplicates
+        summed (in that order: deterministic), divided by the number of gradients."""
+        out = {}
+        for name in self.specs:
+            parts = [p[name] for p in payloads if name in p]
+            if not parts:
+                continue
+            rows = torch.cat([r for r, _ in parts])
+            grads = torch.cat([g for _, g in parts])
+            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+            summed = grads.new_zeros(unique.numel(), grads.shape[1])
+            summed.index_add_(0, inverse, grads)
+            out[name] = (unique, summed.div_(len(payloads)))
+        return out
+
+    def step_optimizer(self, payload: dict, lr_scale: float = 1.0) -> None:
+        lr = self.sparse.lr * lr_scale * lr_factor(self.version, self.optim_cfg,
+                                                   self.total_steps)
+        empty = torch.empty(0, dtype=torch.int64)
+        for name, opt in self.row_optim.items():  # every table, touched or not (see above)
+            rows, grads = payload.get(name, (empty, _EMPTY.new_zeros(0, self.specs[name].dim)))
+            opt.step(rows, grads, lr)
+
+    def reply(self, accepted: bool, loss: Optional[float] = None, shared: bool = False,
+              skipped: bool = False) -> Reply:
+        """No parameters: a worker pulls the rows of its next batch itself."""
+        return Reply(self.version, _EMPTY, accepted, self.finished,
+                     self.recent_loss if loss is None else loss, self.stats.samples,
+                     self.stats.stale_dropped, skipped)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def _snapshot(self, step: int) -> dict:
+        from dataclasses import asdict
+
+        return {"file": tables_file(self.ps), "shard": self.index, "version": step,
+                "ps": self.ps, "partition": self.sparse.partition,
+                "tables": {n: {"weight": w.clone(),
+                               "optimizer": {k: v.clone() if torch.is_tensor(v) else v
+                                             for k, v in self.row_optim[n].state_dict().items()}}
+                           for n, w in self.weights.items()},
+                "stats": asdict(self.stats)}
+
+    def _restore(self, restore: dict) -> None:
+        """Rows and row optimizer state from a checkpoint made with any number of servers and
+        either partition: each old file is memory-mapped and only this server's rows are read."""
+        old = {n: Partition(t.num_rows, restore["num_ps"], restore["partition"])
+               for n, t in self.specs.items()}
+        files = [torch.load(p, mmap=True, weights_only=True) for p in restore["paths"]]
+        for name, weight in self.weights.items():
+            saved = [f["tables"].get(name) for f in files]
+            if any(s is None for s in saved) or saved[0]["weight"].shape[1] != weight.shape[1]:
+                raise PsrpcError(f"checkpoint step-{restore['step']} has no table {name!r} of "
+                                 f"dim {weight.shape[1]}: it was made for another model")
+            server, local = old[name].owner(self.partitions[name].global_rows(self.ps))
+            opt = self.row_optim[name]
+            state = opt.state_dict()
+            for s, f in enumerate(saved):
+                mask = server == s
+                if not bool(mask.any()):
+                    continue
+                rows = local[mask]
+                weight[mask] = f["weight"].index_select(0, rows)
+                for key in opt.per_row_state:
+                    state[key][mask] = f["optimizer"][key].index_select(0, rows)
+            for key in opt.scalar_state:
+                state[key] = saved[0]["optimizer"][key]
+            opt.load_state_dict(state)
+        same = restore["num_ps"] == self.num_ps and restore["partition"] == self.sparse.partition
+        mine = [f for f in files if f.get("ps") == self.ps]
+        if same and mine:
+            self._restored_stats = dict(mine[0]["stats"])
+
+
+def load_tables(out_dir: str) -> dict[str, torch.Tensor]:
+    """Every table of a run, whole ({name: (num_rows, dim)}), from the files its servers wrote
+    (`out_dir/tables/ps<k>.pt`). For a table too large for one process, read the files one by
+    one instead: each holds its rows' global ids ("rows") and values ("weight")."""
+    files = sorted((Path(out_dir) / "tables").glob("ps*.pt"))
+    if not files:
+        raise FileNotFoundError(f"{out_dir}/tables/ holds no ps<k>.pt: this run had no tables")
+    tables: dict[str, torch.Tensor] = {}
+    for path in files:
+        part = torch.load(path, weights_only=True, mmap=True)
+        for name, t in part["tables"].items():
+            if name not in tables:
+                tables[name] = torch.empty(t["num_rows"], t["weight"].shape[1])
+            tables[name][t["rows"]] = t["weight"]
+    return tables
+
+
+def load_model(model: torch.nn.Module, out_dir: str) -> torch.nn.Module:
+    """model.pt and the tables' files of a run into `model` (built as the config builds it,
+    outside psrpc: its EmbeddingTables hold their weights)."""
+    state = torch.load(Path(out_dir) / "model.pt", weights_only=True)
+    for name, weight in load_tables(out_dir).items():
+        state[_table_key(model, name)] = weight
+    model.load_state_dict(state)
+    return model
+
+
+def _table_key(model: torch.nn.Module, table: str) -> str:
+    from psrpc.sparse.tables import EmbeddingTables
+
+    for prefix, module in model.named_modules():
+        if isinstance(module, EmbeddingTables) and table in module.bags:
+            return f"{prefix}.bags.{table}.weight" if prefix else f"bags.{table}.weight"
+    raise KeyError(f"the model has no table {table!r}")
