@@ -101,7 +101,7 @@ class Chief:
         Otherwise shards may be a few steps apart or moving: the target leaves room for that.
         Returns True when the chief's loop should end now."""
         self.stopped_early = True
-        shards = self.plan.all_shards
+        shards = self.plan.every_shard
         reports = comm.wait_all([comm.invoke(r, "report") for r in shards])
         exact = (self.cfg.update.name == "sync" and not any(r["workers_lost"] for r in reports)
                  and (self.cfg.update.replicas_to_aggregate or self.topo.replicas)
@@ -194,7 +194,7 @@ class Chief:
         # Every shard at its last step first (tickets may still be in flight to some)
         timeout = self.cfg.update.timeout_s + 5  # a ticket that never comes is skipped by then
         steps = comm.wait_all([comm.invoke(r, "settle", timeout_s=timeout)
-                               for r in self.plan.all_shards])
+                               for r in self.plan.every_shard])
         if len(set(steps)) > 1:
             log.warning("shards ended at different steps: %s", steps)
         if self.saver is not None:
@@ -203,7 +203,7 @@ class Chief:
     def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
         """model.pt and the summary, after the final checkpoint; the final evaluation is
         skipped when a signal stopped the run."""
-        reports = comm.wait_all([comm.invoke(r, "report") for r in self.plan.all_shards])
+        reports = comm.wait_all([comm.invoke(r, "report") for r in self.plan.every_shard])
         state = outputs.gather(self.plan, worker)
         signalled = _STOP_REQUESTED.is_set()
         tests = (None if signalled else evaluate(state)) or evaluate.empty()

@@ -59,7 +59,13 @@ class Plan:
 
     @property
     def all_shards(self) -> list:
+        """Every dense shard, stage by stage (what the layout describes)."""
         return [rref for stage in self.shards for rref in stage]
+
+    @property
+    def every_shard(self) -> list:
+        """The dense shards, then the table shards: all that count global steps."""
+        return self.all_shards + self.table_shards
 
 
 @dataclass
