@@ -67,12 +67,17 @@ def _make_dirs(folder: Path) -> None:
         _fsync_dir(new.parent)
 
 
-def write_atomic(path: Path, data: bytes, exclusive: bool = False) -> None:
-    """Write to a temporary name, then rename. `exclusive`: fail with FileExistsError rather
-    than replace an existing file (a hard link is an atomic create-if-absent)."""
+def write_atomic(path: Path, data, exclusive: bool = False) -> None:
+    """Write to a temporary name, then rename. `data`: bytes, or a dict that torch.save writes
+    straight into the file (no in-memory copy of a large table). `exclusive`: fail with
+    FileExistsError rather than replace an existing file (a hard link is an atomic
+    create-if-absent)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        if isinstance(data, (bytes, bytearray)):
+            f.write(data)
+        else:
+            torch.save(data, f)
         f.flush()
         os.fsync(f.fileno())
     try:
@@ -120,11 +125,18 @@ def _save(root: Path, step: int, name: str, obj: dict) -> dict:
     folder = step_dir(root, step)
     _refuse_committed(folder)
     _make_dirs(folder)
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    write_atomic(folder / name, data)
-    return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_atomic(folder / name, obj)
+    return {"file": name, **file_digest(folder / name)}
+
+
+def file_digest(path: Path) -> dict:
+    """{"bytes", "sha256"} of a file, read in chunks (a table shard's file can be GBs)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 # -- chief side ------------------------------------------------------------------------------
@@ -226,21 +238,24 @@ def _load_step(step: int, folder: Path) -> Restored:
     return Restored(step, layout, shards, manifest, buffers, tables)
 
 
-def _check_file(path: Path, entry: dict) -> bytes:
-    """A file of a step, checked against its manifest entry (size and sha256); its bytes."""
+def _check_file(path: Path, entry: dict) -> None:
+    """A file of a step, checked against its manifest entry (size and sha256)."""
     try:
-        data = path.read_bytes()
+        got = file_digest(path)
     except OSError as e:
         raise ValueError(f"{path} is unreadable ({e.strerror})") from None
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise ValueError(f"{path} is truncated or corrupt ({len(data)} bytes, manifest says "
+    if got["bytes"] != entry["bytes"] or got["sha256"] != entry["sha256"]:
+        raise ValueError(f"{path} is truncated or corrupt ({got['bytes']} bytes, manifest says "
                          f"{entry['bytes']})")
-    return data
 
 
 def _load_file(path: Path, entry: dict):
     """One file of a step, checked against its manifest entry, loaded with weights_only."""
-    data = _check_file(path, entry)
+    _check_file(path, entry)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path} is unreadable ({e.strerror})") from None
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:

@@ -18,7 +18,6 @@ training early (the chief stops the cluster cleanly). `begin(run)` receives a Ru
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -218,14 +217,10 @@ class BestModel:
         if self.value is not None and (value <= self.value if self.higher else
                                        value >= self.value):
             return False
-        import torch
-
         from psrpc.checkpoint import write_atomic
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        write_atomic(self.folder / "model.pt", buf.getvalue())
+        write_atomic(self.folder / "model.pt", state)
         write_atomic(self.folder / "best.json", json.dumps(
             {"step": step, "metric": self.key, "value": value, **results}, indent=1).encode())
         self.value = value

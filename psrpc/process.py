@@ -58,6 +58,18 @@ class _RankFormatter(logging.Formatter):
         return (self._info if record.levelno == logging.INFO else self._other).format(record)
 
 
+def name_process(name: str) -> None:
+    """What ps, top, pgrep and /proc/<pid>/comm show for this process (Linux: 15 characters),
+    so that a user or an operator's script can find and signal a given rank."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name stays python
+        pass
+
+
 def setup_logging(rank_name: str, out_dir: Path | None) -> None:
     """Console lines prefixed with the rank's name; a log file per rank (never shared)."""
     root = logging.getLogger()
@@ -114,7 +126,9 @@ def install_signal_handlers() -> None:
 def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> None:
     """Everything one rank does, from joining the cluster to leaving it."""
     worker_cls = worker_cls or replica_class(cfg.parallel.name)
+    name_process(f"psrpc-{topo.name}")
     setup_logging(topo.name, out_dir)
+    log.info("%s is pid %d (process name psrpc-%s)", topo.name, os.getpid(), topo.name)
     install_signal_handlers()
     set_threads(cfg, topo)
     set_tf32(cfg.train.tf32)

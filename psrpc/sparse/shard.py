@@ -18,9 +18,7 @@ the result must not depend on how rows are spread over servers).
 
 from __future__ import annotations
 
-import io
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -113,18 +111,17 @@ class TableShard(Shard):
         """This server's rows of every table, with their global row ids, as
         `out_dir/tables/ps<k>.pt` (written here: a table too large to gather on the chief
         never crosses the network). psrpc.sparse.load_tables reads them back."""
-        with self.lock:
-            state = {"format": TABLES_FORMAT, "version": self.version,
-                     "partition": self.sparse.partition, "num_ps": self.num_ps,
-                     "tables": {n: {"rows": self.partitions[n].global_rows(self.ps),
-                                    "weight": w.clone(), "num_rows": self.specs[n].num_rows}
-                                for n, w in self.weights.items()}}
+        # Training is over (the chief asks at the end): the rows no longer change, so they are
+        # written as they are, straight into the file: no copy of a table in memory.
+        state = {"format": TABLES_FORMAT, "version": self.version,
+                 "partition": self.sparse.partition, "num_ps": self.num_ps,
+                 "tables": {n: {"rows": self.partitions[n].global_rows(self.ps), "weight": w,
+                                "num_rows": self.specs[n].num_rows}
+                            for n, w in self.weights.items()}}
         folder = Path(out_dir) / "tables"
         folder.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        torch.save(state, buf)
         path = folder / f"ps{self.ps}.pt"
-        write_atomic(path, buf.getvalue())
+        write_atomic(path, state)
         return str(path)
 
     # -- what the update rules use -------------------------------------------------------------------
