@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from psrpc.sparse.shard import load_tables
-from tests.conftest import MNIST_ROOT, assert_equal_model, assert_same_model, run_cluster
+from tests.conftest import (MNIST_ROOT, assert_equal_model, assert_same_model, compose,
+                            run_cluster)
 
 pytestmark = pytest.mark.timeout(300)
 MOVIELENS = MNIST_ROOT / "ml-100k"  # ../shared/data/ml-100k
@@ -37,6 +38,14 @@ def test_sync_w2_equals_w1_with_twice_the_batch_tables_included(tmp_path, refere
     assert w2[0]["samples"] == reference[0]["samples"] == 20 * 64
     _assert_equal(w2, reference, exact=False)
     assert 0 < w2[0]["test_auc"] < 1 and w2[0]["test_logloss"] > 0
+    # model.pt and the tables' files load into the model the config builds, outside psrpc
+    from psrpc import factories
+    from psrpc.sparse import load_model
+
+    cfg = compose(CLICKS + ["cluster.num_workers=2", "train.batch_size=32"], check=False)
+    model = load_model(factories.build_model(cfg, factories.load_data(cfg), remote_tables=False),
+                       str(tmp_path))
+    assert torch.equal(model.tables.bags["cat_0"].weight.detach(), w2[2]["cat_0"])
 
 
 @pytest.mark.parametrize("layout", [["cluster.num_ps=2"], ["cluster.num_ps=3"],

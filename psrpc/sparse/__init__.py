@@ -1,10 +1,16 @@
-"""Sparse embedding tables for the parameter servers: rows and their partitioning (`rows`),
-row-sparse optimizers (`optim`), and the local single-process tables (`tables`)."""
+"""Sparse embedding tables on the parameter servers: rows and their partitioning (`rows`),
+row-sparse optimizers (`optim`), the tables a model uses (`tables`: local, or remote inside
+psrpc), a worker's client of the table shards (`client`) and the PS side (`shard`).
+
+In a model: `EmbeddingTables([TableSpec("user", 10_000_000, 64), ...])`; after a run,
+`load_tables(out_dir)` gives every table back, `load_model(model, out_dir)` the whole model."""
 
 from psrpc.sparse.optim import SPARSE_OPTIMIZERS, build_sparse_optimizer
 from psrpc.sparse.rows import (Partition, TableSpec, coalesce, hash64, hash_ids, init_rows,
                                table_seed)
+from psrpc.sparse.shard import load_model, load_tables
 from psrpc.sparse.tables import EmbeddingTables, bag_inputs
 
 __all__ = ["EmbeddingTables", "Partition", "SPARSE_OPTIMIZERS", "TableSpec", "bag_inputs",
-           "build_sparse_optimizer", "coalesce", "hash64", "hash_ids", "init_rows", "table_seed"]
+           "build_sparse_optimizer", "coalesce", "hash64", "hash_ids", "init_rows",
+           "load_model", "load_tables", "table_seed"]
