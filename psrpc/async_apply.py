@@ -114,6 +114,12 @@ class StalenessClock:
         return [u for u in sorted(self.live.alive)
                 if u != worker and u not in waiting and t + 1 - self.base[u] > self.k]
 
+    def restart(self) -> None:
+        """From the shard's version, as at start: no ticket out, every worker on it."""
+        self._waiting.clear()
+        self.issued = self.shard.version
+        self.base = [self.shard.version] * len(self.base)
+
     def freeze(self, target: int) -> int:
         """Issue no ticket at or past `target` (never below what is issued); returns the
         step every shard must reach: the tickets already issued."""
@@ -229,6 +235,18 @@ class AsyncApplier:
                     shard.advance()
                     ready += self._drain()
         comm.resolve_all(ready)
+
+    def new_epoch(self) -> None:
+        """The old group's held pushes and clock waits are dropped (their workers push again);
+        every worker is back."""
+        self.live.lost.clear()
+        self._held.clear()
+        if self.clock is not None:
+            self.clock.restart()
+
+    def caught_up(self) -> None:
+        if self.clock is not None:
+            self.clock.restart()
 
     def freeze(self, target: int) -> int:
         """Clock shard: stop issuing tickets; returns the step every shard must reach."""

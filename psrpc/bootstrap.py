@@ -1,7 +1,7 @@
 """The chief's start-up: the model's first state (fresh and seeded, or the newest checkpoint
 re-split for this layout), and the shards created on the PS with it.
 
-`bootstrap` returns the Plan every worker receives: the layouts, the shards' RRefs, the pipeline
+`bootstrap` returns the Plan every worker receives: the layouts, the shards' Handles, the pipeline
 cuts and the step training resumes from.
 """
 
@@ -20,9 +20,10 @@ from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
 from psrpc.layout import Layout
 from psrpc.pipeline import model_cuts, stage_shapes
-from psrpc.shard import Shard, ShardSpec, ShardStats
+from psrpc.shard import ShardSpec, ShardStats
 from psrpc.topology import Topology
-from psrpc.sparse.shard import TableShard, TableShardSpec
+from psrpc import shard as shard_module
+from psrpc.sparse.shard import TableShardSpec
 from psrpc.sparse.tables import find_tables
 from psrpc.worker import Plan, model_buffers
 
@@ -113,19 +114,19 @@ def restored_buffers(cfg: Config, model, restored: Optional[checkpoint.Restored]
 
 def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, states,
                   restored: Optional[checkpoint.Restored]) -> list[list]:
-    """One Shard per (stage, bucket) on its PS, via rpc.remote; RRefs grouped by stage."""
+    """One Shard per (stage, bucket) on its PS; Handles grouped by stage."""
     layout = Layout.concat(layouts)
     version = restored.step if restored else 0
     stats = _shard_stats(restored, layout)
     stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
-    shards = []
+    specs = []
     for g, k in enumerate(layout.shard_ps):  # shard g lives on ps{k}
         name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
         spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
                          version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
-                         build_faults(cfg.fault, "ps", k, topo.restart_count), stats[g], name)
-        shards.append(comm.remote(topo.ps_names[k], Shard, args=(spec,)))
-    comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
+                         build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch), stats[g], name)
+        specs.append((topo.ps_names[k], spec))
+    shards = _create(specs)
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
 
@@ -142,17 +143,22 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
                              "another checkpoint.dir")
         restore = {"paths": saved["paths"], "partition": saved["partition"],
                    "num_ps": saved["num_ps"], "step": restored.step}
-    shards = []
+    specs = []
     for k in range(topo.num_ps):
         spec = TableShardSpec(
             first + k, torch.empty(0), cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
             restored.step if restored else 0, None, cfg.checkpoint.dir,
-            cfg.checkpoint.every_steps, build_faults(cfg.fault, "ps", k, topo.restart_count),
+            cfg.checkpoint.every_steps, build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
             None, f"ps{k}/tables", ps=k, num_ps=topo.num_ps, tables=specs, seed=cfg.train.seed,
             sparse=cfg.sparse, restore=restore)
-        shards.append(comm.remote(topo.ps_names[k], TableShard, args=(spec,)))
-    comm.wait_all([comm.invoke(r, "report") for r in shards])  # a constructor's error
-    return shards
+        specs.append((topo.ps_names[k], spec))
+    return _create(specs)
+
+
+def _create(specs: list[tuple[str, object]]) -> list:
+    """Build every (PS, spec) shard at once; their Handles (a constructor's error raises)."""
+    comm.wait_all([comm.call(ps, shard_module.create, (spec,)) for ps, spec in specs])
+    return [comm.Handle(ps, spec.index) for ps, spec in specs]
 
 
 def _spec_dict(t) -> dict:

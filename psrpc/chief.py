@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm, outputs
+from psrpc import comm, membership, outputs, process
 from psrpc.bootstrap import bootstrap
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
@@ -31,16 +31,23 @@ from psrpc.worker import Plan, Worker
 
 log = logging.getLogger("psrpc")
 
-_PLAN = torch.futures.Future()  # completed by the chief with the Plan (or its error)
+_PLANS: dict[int, torch.futures.Future] = {}  # membership epoch -> its Plan (or the error)
+_PLANS_LOCK = threading.Lock()
 _DONE: dict[int, dict] = {}  # worker index -> its stats, as workers finish
 _DONE_LOCK = threading.Condition()
 _STOP_REQUESTED = threading.Event()  # SIGTERM/SIGINT on the chief: end at the next step
 _FINISHING = threading.Event()  # training is over: final checkpoint and outputs under way
 
 
+def _plan_future(epoch: int) -> torch.futures.Future:
+    with _PLANS_LOCK:
+        return _PLANS.setdefault(epoch, torch.futures.Future())
+
+
 @comm.async_execution
-def get_plan() -> torch.futures.Future:
-    return _PLAN
+def get_plan(epoch: int = 0) -> torch.futures.Future:
+    """The plan of membership epoch `epoch`, once the chief has made it."""
+    return _plan_future(epoch)
 
 
 def report_done(worker: int, stats: dict) -> None:
@@ -70,16 +77,83 @@ class Chief:
         self.lost: list[int] = []  # workers that never reported done
         self.stopped_early = False
         self.saver = None
+        self.epochs: list[dict] = []  # membership epochs after the first
 
     def initialise(self):
         """Create the shards (fresh or restored) and hand the plan to the workers."""
         try:
             self.plan, model, dataset = bootstrap(self.cfg, self.topo, self.worker_cls)
         except Exception as e:
-            _PLAN.set_exception(PsrpcError(f"the chief failed to initialise: {e}"))
+            _plan_future(self.topo.epoch).set_exception(
+                PsrpcError(f"the chief failed to initialise: {e}"))
             raise
-        _PLAN.set_result(self.plan)
+        _plan_future(self.topo.epoch).set_result(self.plan)
         return model, dataset
+
+    # -- membership epochs ---------------------------------------------------------------------
+    def begin_epoch(self, epoch: int):
+        """A rank was started again and every rank has joined epoch `epoch`'s group: line the
+        shards' versions up (the PS kept them, and their Handles still reach them), or, when a
+        PS was started again and lost its shards, roll every shard back to the last committed
+        checkpoint; then hand out the epoch's plan. Returns it."""
+        t0 = time.monotonic()
+        who, seen_at = membership.why(epoch)
+        held = comm.wait_all([comm.call(n, process.local_shards) for n in self.topo.ps_names])
+        found = {index for part in held for index in part}
+        shards = self.plan.every_shard
+        rolled_back = None
+        if found == {h.key for h in shards}:  # every shard is where it was: line them up
+            versions = comm.wait_all([comm.invoke(r, "begin_epoch") for r in shards])
+            target = max(versions)
+            comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
+            from dataclasses import replace
+
+            plan = replace(self.plan, rolled_back_to=None)
+        else:
+            plan, rolled_back = self._roll_back(epoch, who)
+        self.plan = plan
+        if self.saver is not None:
+            self.saver.rebind(plan)
+        if rolled_back is not None:
+            self.hooks.rollback(rolled_back)
+        pause = time.time() - seen_at if seen_at else time.monotonic() - t0
+        clock = comm.invoke(plan.all_shards[0], "report").wait()
+        step = clock["version"]
+        self.epochs.append({"epoch": epoch, "started_again": who, "at_step": step,
+                            "pause_s": round(pause, 3), "rolled_back_to": rolled_back,
+                            "applied_before": clock["per_worker_applied"]})
+        log.warning("membership epoch %d: %s joined again at step %d%s; the cluster paused "
+                    "%.1f s", epoch, who, step,
+                    f" (every shard rolled back to step {rolled_back})"
+                    if rolled_back is not None else "", pause)
+        _plan_future(epoch).set_result(plan)
+        return plan
+
+    def _roll_back(self, epoch: int, who: str):
+        """Every shard from the last committed checkpoint (a PS lost its shards)."""
+        from dataclasses import replace
+
+        from psrpc import checkpoint
+        from psrpc.bootstrap import create_shards, create_table_shards, initial_state
+
+        restored = checkpoint.find_latest(self.cfg.checkpoint.dir)
+        if restored is None:
+            error = PsrpcError(f"{who} was started again but its shards are gone and "
+                               f"checkpoint.dir={self.cfg.checkpoint.dir} holds no checkpoint "
+                               "to roll the others back to: set checkpoint.dir and "
+                               "checkpoint.every_steps to recover a lost PS")
+            _plan_future(epoch).set_exception(error)
+            raise error
+        comm.wait_all([comm.call(n, process.drop_shards) for n in self.topo.ps_names])
+        model, layout = self.worker_model, self.plan.layout
+        flats, states = initial_state(self.cfg, model, layout, restored)
+        topo = replace(self.topo, epoch=epoch)  # fault.crash_* crash the first epoch only
+        shards = create_shards(self.cfg, topo, self.plan.layouts, flats, states, restored)
+        tables = (create_table_shards(self.cfg, topo, self.plan.table_specs, layout.num_shards,
+                                      restored)
+                  if self.plan.table_specs else [])
+        return replace(self.plan, shards=shards, table_shards=tables, buffers=restored.buffers,
+                       rolled_back_to=restored.step), restored.step
 
     # -- train ---------------------------------------------------------------------------------
     def after_step(self, reply: Reply, push_s: float, local_loss: float) -> bool:
@@ -119,6 +193,8 @@ class Chief:
         t_start = time.perf_counter()
         model, dataset = self.initialise()
         worker = self.worker_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
+        worker.plan_source = self.begin_epoch  # the chief makes each epoch's plan itself
+        self.worker_model = worker.model
         self.train_size = len(worker.data.train)
         evaluate = outputs.Evaluator(worker, self.cfg)
         start = self.plan.restored_from_step or 0
@@ -212,7 +288,7 @@ class Chief:
         summary = outputs.make_summary(
             self.cfg, self.topo, self.plan, reports, wall_s=wall_s, total_s=total_s,
             samples_per_s=self.throughput.samples_per_s(), tests=tests, lost=self.lost,
-            stopped_early=self.stopped_early,
+            stopped_early=self.stopped_early, epochs=self.epochs,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
         outputs.write_outputs(self.out_dir, state, summary)
         if self.plan.table_shards:  # each PS writes its rows itself: tables/ps<k>.pt

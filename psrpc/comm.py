@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import parse_qs, urlparse
@@ -38,15 +39,43 @@ def _rendezvous(url: str, **kwargs):
     query = {k: v[0] for k, v in parse_qs(parsed.query).items()}
     rank, world_size = int(query["rank"]), int(query["world_size"])
     timeout = timedelta(seconds=float(query["timeout_s"]))
-    if query["agent_store"] == "1" or rank != 0:  # torchrun's agent, or rank 0, hosts it
-        store = dist.TCPStore(parsed.hostname, parsed.port, world_size, False, timeout)
-    else:
-        listener = _bind(parsed.hostname, parsed.port)
-        store = dist.TCPStore(parsed.hostname, parsed.port, world_size, True, timeout,
-                              master_listen_fd=listener.detach())
-    # torchrun's agent store outlives a restart of the group: a fresh key space per attempt
-    yield dist.PrefixStore(f"psrpc/attempt-{query['attempt']}", store), rank, world_size
+    store = _process_store(parsed.hostname, parsed.port, rank, world_size, timeout,
+                           agent_store=query["agent_store"] == "1")
+    # torchrun's agent store outlives a restart of the group, and the store outlives a
+    # membership epoch: a fresh key space for each
+    prefix = f"psrpc/attempt-{query['attempt']}/epoch-{query['epoch']}"
+    yield dist.PrefixStore(prefix, store), rank, world_size
     raise RuntimeError("psrpc's rendezvous runs once per init_rpc")  # as torch's tcp:// one
+
+
+_STORE: list = []  # this process's client (or server) of the rendezvous store, kept across epochs
+
+
+def _process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
+                   agent_store: bool):
+    """The rendezvous store, made once per process: torchrun's agent or the local launcher
+    hosts it (agent_store), else rank 0 does, on the address `host` resolves to."""
+    if not _STORE:
+        if agent_store or rank != 0:
+            _STORE.append(dist.TCPStore(host, port, world_size, False, timeout))
+        else:
+            listener = _bind(host, port)
+            _STORE.append(dist.TCPStore(host, port, world_size, True, timeout,
+                                        master_listen_fd=listener.detach()))
+    return _STORE[0]
+
+
+def host_store(host: str, port: int, timeout_s: float):
+    """The local launcher's store (the ranks are its clients): it outlives every rank, so a
+    rank started again finds it, and the launcher announces membership epochs in it."""
+    listener = _bind(host, port)
+    return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def store() -> Any:
+    """This process's store (after `init`)."""
+    return _STORE[0]
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -69,9 +98,12 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_timeout_s: float,
          init_timeout_s: float, threads: int, transports: Optional[Sequence[str]],
-         attempt: int = 0, interface: Optional[str] = None, agent_store: bool = False) -> None:
+         attempt: int = 0, interface: Optional[str] = None, agent_store: bool = False,
+         epoch: int = 0) -> None:
     """Join the RPC group; rank and world size always explicit (a missing world_size silently
-    switches torch to dynamic membership).
+    switches torch to dynamic membership). `epoch`: the membership epoch, a static group of its
+    own (torch cannot take a SIGKILLed member back into a group: every membership change is a
+    new group of everyone, in a fresh key space of the same store).
 
     `interface`: the network interface to listen on (None: wherever the host name resolves).
     `agent_store`: torchrun's agent hosts the store at addr:port; else rank 0 hosts it, on the
@@ -90,13 +122,29 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
         num_worker_threads=threads,
         rpc_timeout=rpc_timeout_s,
         init_method=f"{_SCHEME}://{host}:{port}?timeout_s={init_timeout_s}&attempt={attempt}"
-                    f"&agent_store={int(agent_store)}",
+                    f"&agent_store={int(agent_store)}&epoch={epoch}",
         _transports=list(transports) if transports else None,
     )
+    _fresh_rpc_module_state()
     with warnings.catch_warnings():
         # init_rpc builds its group through a deprecated private path; nothing for us to fix.
         warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def _fresh_rpc_module_state() -> None:
+    """torch.distributed.rpc keeps per-process counters that every member of a group must
+    agree on: init_rpc prefixes its store keys with how many times this process called it,
+    and its internal all-gather numbers its rounds per process. A process that joins a later
+    membership epoch fresh (a worker started again) has counted nothing while the others have:
+    their keys would never meet and init_rpc would hang. The same count everywhere: zero (each
+    epoch's keys are apart already, under our own prefix). These are torch's private module
+    globals (torch 2.4-2.14); without them, only epoch 0 would work."""
+    rpc._init_counter = 0
+    api = rpc.api
+    with api._all_gather_dict_lock:
+        api._all_gather_sequence_id.clear()
+        api._all_gather_sequence_id_to_states.clear()
 
 
 def shutdown(graceful: bool, timeout_s: float = 30.0) -> None:
@@ -126,26 +174,65 @@ def call_sync(to: str, fn: Callable, args: tuple = (), timeout_s: Optional[float
     return rpc.rpc_sync(to, fn, args=args, timeout=_t(timeout_s))
 
 
+@dataclass(frozen=True)
+class Handle:
+    """An object living in process `owner`, registered there under `key` (`register`): what
+    the PS shards are reached through. Unlike an RRef it stays valid from one membership epoch
+    to the next: torch's RRef machinery is bound to the first RPC agent of a process and fails
+    in any later group (measured on torch 2.14: "tried to send() ... but RPC is no longer
+    running"), while a name and a key mean the same in every group."""
+
+    owner: str
+    key: int
+
+
+_LOCAL: dict[int, Any] = {}  # this process's objects reachable through a Handle
+
+
+def register(key: int, obj: Any) -> None:
+    _LOCAL[key] = obj
+
+
+def registered() -> dict[int, Any]:
+    return _LOCAL
+
+
+@async_execution
+def _invoke_local(key: int, method: str, args: tuple) -> Future:
+    try:
+        obj = _LOCAL[key]
+    except KeyError:
+        return failed(PsrpcError(f"no object {key} here (it was lost with an earlier process)"))
+    return _as_future(getattr(obj, method)(*args))
+
+
 @async_execution
 def _invoke_on_owner(rref: RRef, method: str, args: tuple) -> Future:
-    result = getattr(rref.local_value(), method)(*args)
+    return _as_future(getattr(rref.local_value(), method)(*args))
+
+
+def _as_future(result: Any) -> Future:
     # rpc_async hands back torch._C.Future, torch.futures.Future's base
     return result if isinstance(result, torch._C.Future) else completed(result)
 
 
-def invoke(rref: RRef, method: str, *args, timeout_s: Optional[float] = None) -> Future:
-    """Call `method(*args)` on the object behind `rref`, on its owner; returns a Future.
+def invoke(target, method: str, *args, timeout_s: Optional[float] = None) -> Future:
+    """Call `method(*args)` on the object behind `target` (a Handle or an RRef), on its owner;
+    returns a Future.
 
     Not `rref.rpc_async().method()`: that helper first fetches the RRef's type and sends the
     call from a callback thread, outside the caller's distributed autograd context, so the
     backward pass never reaches the callee (pipeline stages would get no gradients). One direct
     call, which also works for `async_execution` methods (their Future is passed through)."""
-    return rpc.rpc_async(rref.owner(), _invoke_on_owner, args=(rref, method, args),
+    if isinstance(target, Handle):
+        return rpc.rpc_async(target.owner, _invoke_local, args=(target.key, method, args),
+                             timeout=_t(timeout_s))
+    return rpc.rpc_async(target.owner(), _invoke_on_owner, args=(target, method, args),
                          timeout=_t(timeout_s))
 
 
-def owner_name(rref: RRef) -> str:
-    return rref.owner_name()
+def owner_name(target) -> str:
+    return target.owner if isinstance(target, Handle) else target.owner_name()
 
 
 def completed(value: Any) -> Future:

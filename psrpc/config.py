@@ -44,6 +44,12 @@ class ClusterConfig:
     """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
     port: Optional[int] = MISSING
     """Local launcher's rendezvous port; null: MASTER_PORT if set, else a free one."""
+    max_worker_restarts: int = MISSING
+    """Local launcher: times each worker that dies is started again and rejoins the running
+    job (data parallel; a new membership epoch, nobody restores a checkpoint); 0: lost."""
+    max_ps_restarts: int = MISSING
+    """Local launcher: times a PS that dies is started again (every shard rolls back to the
+    last committed checkpoint), and the whole group when the chief dies; needs checkpoint.dir."""
     interface: Optional[str] = MISSING
     """NIC RPC listens on under torchrun; null: TP_SOCKET_IFNAME's, else the host name's."""
 
@@ -299,6 +305,10 @@ def validate(cfg: Config) -> None:
            c.worker_threads, "must be ≥ 1 or null (automatic)")
     _check(c.ps_threads >= 1, "cluster.ps_threads", c.ps_threads, "must be ≥ 1")
     _check(c.rpc_threads >= 2, "cluster.rpc_threads", c.rpc_threads, "must be ≥ 2")
+    _check(c.max_worker_restarts >= 0, "cluster.max_worker_restarts", c.max_worker_restarts,
+           "must be ≥ 0 (0: a worker that dies is lost)")
+    _check(c.max_ps_restarts >= 0, "cluster.max_ps_restarts", c.max_ps_restarts,
+           "must be ≥ 0 (0: a PS or chief that dies ends the run)")
     _check(_finite(c.init_timeout_s) and c.init_timeout_s > 0, "cluster.init_timeout_s",
            c.init_timeout_s, "must be a finite number of seconds > 0")
     _check(c.port is None or 0 < c.port < 65536, "cluster.port", c.port,

@@ -63,6 +63,10 @@ class Hook:
     def after_step(self, info: StepInfo) -> None:
         pass
 
+    def rollback(self, step: int) -> None:
+        """Every shard went back to the checkpoint of `step` (a PS was lost and started
+        again): the next steps are `step + 1`, ... again."""
+
     def end(self, summary: dict) -> None:
         pass
 
@@ -80,6 +84,10 @@ class Hooks(Hook):
     def after_step(self, info: StepInfo) -> None:
         for h in self.hooks:
             h.after_step(info)
+
+    def rollback(self, step: int) -> None:
+        for h in self.hooks:
+            h.rollback(step)
 
     def end(self, summary: dict) -> None:
         for h in self.hooks:
@@ -153,6 +161,10 @@ class MetricsLog(Hook):
         self._window, self._last = [], info
         self._next = (info.step // self.log_every + 1) * self.log_every
 
+    def rollback(self, step: int) -> None:
+        self._window, self._last = [], None
+        self._next = (step // self.log_every + 1) * self.log_every
+
     def record(self, record: dict) -> None:
         """One metrics.jsonl line ({"step": ..., scalars}), the scalars also to TensorBoard."""
         self._file.write(json.dumps(record) + "\n")
@@ -183,6 +195,9 @@ class Evaluate(Hook):
 
     def begin(self, run: RunContext) -> None:
         self._next = (run.start_step // self.every + 1) * self.every
+
+    def rollback(self, step: int) -> None:
+        self._next = (step // self.every + 1) * self.every
 
     def after_step(self, info: StepInfo) -> None:
         if info.step < self._next:

@@ -27,10 +27,12 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from psrpc import env_defaults, netif
+from psrpc import comm, env_defaults, membership, netif
 from psrpc.config import Config, stages
 from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
@@ -161,48 +163,121 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     """Run the cluster to the end. Returns the names of lost workers; raises ClusterFailed.
 
     `worker_cls` replaces `psrpc.worker.Worker` on every worker (a module-level class: it is
-    pickled by reference), e.g. to push known gradients in a test."""
+    pickled by reference), e.g. to push known gradients in a test.
+
+    A worker that dies is started again and rejoins the running job (up to
+    cluster.max_worker_restarts times each); a PS that dies is started again and every shard
+    rolls back to the last committed checkpoint (up to cluster.max_ps_restarts). When the chief
+    dies, every process is started again and training resumes from the last committed
+    checkpoint, as TensorFlow's MonitoredTrainingSession does (counted in max_ps_restarts too)."""
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
-    topo = Topology(P, W, master_addr="127.0.0.1", master_port=choose_port(cfg),
-                    stages=stages(cfg), interface=local_interface(cfg))
-    ctx = process_context()
-    errors = Path(tempfile.mkdtemp(prefix="psrpc-"))  # each rank's one-line error
-    procs = {}
-    lost: list[str] = []
-    stop = _Signals()
-    try:
-        for rank in range(topo.world_size):
-            name = topo.name_of(rank)
-            procs[name] = ctx.Process(target=_child, name=name, daemon=False, args=(
-                cfg, topo.with_rank(rank), str(out_dir), str(errors / f"{name}.err"), worker_cls))
-            procs[name].start()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        running = dict(procs)
-        while running:
-            stop.check()
-            if deadline is not None and time.monotonic() > deadline:
-                raise ClusterFailed(f"the run did not finish within {timeout_s:.0f} s; stopped it")
-            failed = []
-            for name, p in list(running.items()):
-                if p.exitcode is None:
-                    continue
-                del running[name]
-                if p.exitcode == 0:
-                    continue
-                if p.exitcode < 0 and name.startswith("worker") and name != topo.chief_name:
-                    log.warning("%s died (%s); the others go on without it",
-                                name, _describe(p.exitcode))
-                    lost.append(name)
-                    continue
-                failed.append(name)
-            if failed:
-                raise ClusterFailed(_root_cause(failed, procs, errors, lost))
-            time.sleep(0.05)
-        return lost
-    finally:
-        _terminate(procs.values(), SIGNAL_GRACE_S if stop.received else FAILURE_GRACE_S, stop)
-        stop.restore()
-        shutil.rmtree(errors, ignore_errors=True)
+    port = choose_port(cfg)
+    topo = Topology(P, W, master_addr="127.0.0.1", master_port=port, stages=stages(cfg),
+                    interface=local_interface(cfg))
+    store = comm.host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    attempt = 0
+    while True:
+        cluster = _Cluster(cfg, topo, out_dir, worker_cls, store, attempt, deadline)
+        try:
+            return cluster.run()
+        except _ChiefDied as e:
+            if attempt >= cfg.cluster.max_ps_restarts or not cfg.checkpoint.dir:
+                why = ("no checkpoint.dir to resume from" if not cfg.checkpoint.dir else
+                       f"cluster.max_ps_restarts={cfg.cluster.max_ps_restarts} used up")
+                raise ClusterFailed(f"{e} ({why})") from None
+            attempt += 1
+            log.warning("%s: starting every process again, training resumes from the last "
+                        "checkpoint (restart %d of %d)", e, attempt, cfg.cluster.max_ps_restarts)
+
+
+class _ChiefDied(ClusterFailed):
+    """The chief died: its session is gone, the whole group starts again from a checkpoint."""
+
+
+class _Cluster:
+    """One attempt of the whole group: start every rank, watch them, start lost ones again."""
+
+    def __init__(self, cfg, topo, out_dir, worker_cls, store, attempt, deadline):
+        self.cfg, self.topo, self.out_dir, self.worker_cls = cfg, topo, out_dir, worker_cls
+        self.store, self.attempt, self.deadline = store, attempt, deadline
+        self.ctx = process_context()
+        self.errors = Path(tempfile.mkdtemp(prefix="psrpc-"))  # each rank's one-line error
+        self.procs: dict[str, mp.Process] = {}
+        self.lost: list[str] = []
+        self.epoch = 0
+        self.restarts: dict[str, int] = {}
+        store.set(membership.epoch_key(attempt), "0")
+
+    def _start(self, rank: int) -> None:
+        name = self.topo.name_of(rank)
+        topo = replace(self.topo.with_rank(rank, self.epoch), restart_count=self.attempt)
+        self.procs[name] = self.ctx.Process(target=_child, name=name, daemon=False, args=(
+            self.cfg, topo, str(self.out_dir), str(self.errors / f"{name}.err"),
+            self.worker_cls))
+        self.procs[name].start()
+
+    def run(self) -> list[str]:
+        stop = _Signals()
+        try:
+            for rank in range(self.topo.world_size):
+                self._start(rank)
+            running = dict(self.procs)
+            while running:
+                stop.check()
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise ClusterFailed("the run did not finish within its time limit; stopped it")
+                failed = []
+                for name, p in list(running.items()):
+                    if p.exitcode is None:
+                        continue
+                    del running[name]
+                    if p.exitcode == 0:
+                        continue
+                    if p.exitcode < 0 and self._recover(name, p.exitcode):
+                        running[name] = self.procs[name]
+                        continue
+                    failed.append(name)
+                if failed:
+                    raise ClusterFailed(_root_cause(failed, self.procs, self.errors, self.lost))
+                time.sleep(0.05)
+            return self.lost
+        finally:
+            _terminate(self.procs.values(),
+                       SIGNAL_GRACE_S if stop.received else FAILURE_GRACE_S, stop)
+            stop.restore()
+            shutil.rmtree(self.errors, ignore_errors=True)
+
+    def _recover(self, name: str, exitcode: int) -> bool:
+        """A rank killed by a signal: start it again (a new membership epoch), count a worker
+        as lost, or end the attempt when the chief died. False: the run fails."""
+        c, topo = self.cfg.cluster, self.topo
+        if name == topo.chief_name:
+            raise _ChiefDied(f"{name} died ({_describe(exitcode)})")
+        is_worker = name.startswith("worker")
+        budget = c.max_worker_restarts if is_worker else c.max_ps_restarts
+        used = self.restarts.get(name, 0)
+        can = used < budget and (self.cfg.parallel.name == "data" if is_worker
+                                 else bool(self.cfg.checkpoint.dir))
+        if not can:
+            if is_worker:
+                log.warning("%s died (%s); the others go on without it", name,
+                            _describe(exitcode))
+                self.lost.append(name)
+                return True
+            return False
+        self.restarts[name] = used + 1
+        self.epoch += 1
+        # What started the epoch, then the epoch itself: a rank reads them in that order.
+        self.store.set(membership.event_key(self.attempt, self.epoch), f"{name} {time.time()}")
+        self.store.set(membership.epoch_key(self.attempt), str(self.epoch))
+        log.warning("%s died (%s); starting it again (restart %d of %d), membership epoch %d",
+                    name, _describe(exitcode), used + 1, budget, self.epoch)
+        self._start(topo.rank_of(name))
+        for other, p in self.procs.items():
+            if other != name and p.exitcode is None:
+                os.kill(p.pid, signal.SIGUSR1)  # join the new epoch's group
+        return True
 
 
 def _describe(exitcode: int) -> str:

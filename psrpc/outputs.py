@@ -73,7 +73,7 @@ def write_outputs(out_dir: Path, state: dict, summary: dict) -> None:
 
 def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s: float,
                  samples_per_s, tests: dict, lost: list[int], stopped_early: bool,
-                 workers: dict) -> dict:
+                 workers: dict, epochs: list = ()) -> dict:
     r0 = reports[0]
     return {
         "update": cfg.update.name, "parallel": cfg.parallel.name,
@@ -89,6 +89,8 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "mean_staleness": _round(r0["mean_staleness"], 4),
         "workers_lost": len(lost),
         "restored_from_step": plan.restored_from_step,
+        "workers_rejoined": sum(e["started_again"].startswith("worker") for e in epochs),
+        "epochs": list(epochs),  # membership epochs: who joined again, when, the pause
         "stopped_early": stopped_early,
         "shards": reports,
         "workers": workers,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from psrpc import comm
+from psrpc import comm, membership
 from psrpc.config import Config, rpc_timeout_s
 from psrpc.errors import PsrpcError
 from psrpc.topology import Topology
@@ -25,6 +25,7 @@ from psrpc.topology import Topology
 log = logging.getLogger("psrpc")
 
 _STOP = threading.Event()
+_WAKE = threading.Event()  # the serving loop's: a stop, or a membership change
 _GRACEFUL = [True]
 _TERMINATING: list[float] = []  # when SIGTERM/SIGINT arrived
 PING_EVERY_S = 5.0
@@ -43,6 +44,7 @@ def stop_serving(graceful: bool) -> None:
     """Called by the chief over RPC when the run is over: this rank leaves the group."""
     _GRACEFUL[0] = graceful
     _STOP.set()
+    _WAKE.set()
 
 
 class _RankFormatter(logging.Formatter):
@@ -133,10 +135,16 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
     set_threads(cfg, topo)
     set_tf32(cfg.train.tf32)
     torch.manual_seed(cfg.train.seed)
-    comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
-              rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
-              threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
-              attempt=topo.restart_count, interface=topo.interface, agent_store=topo.agent_store)
+
+    def join(epoch: int) -> None:
+        comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
+                  rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
+                  threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
+                  attempt=topo.restart_count, interface=topo.interface,
+                  agent_store=topo.agent_store, epoch=epoch)
+
+    membership.setup(topo.epoch, topo.restart_count, join)
+    join(topo.epoch)
     graceful = False
     try:
         if topo.is_chief:
@@ -177,26 +185,54 @@ def _run_chief(cfg: Config, topo: Topology, out_dir: Path, worker_cls) -> bool:
     return graceful
 
 
-def _run_worker(cfg: Config, topo: Topology, worker_cls) -> None:
+def fetch_plan(cfg: Config, topo: Topology, epoch: int):
+    """The chief's plan for membership epoch `epoch` (it answers once the shards are ready)."""
     from psrpc import chief
 
     try:
-        plan = comm.call_sync(topo.chief_name, chief.get_plan, timeout_s=cfg.cluster.init_timeout_s)
+        return comm.call_sync(topo.chief_name, chief.get_plan, (epoch,),
+                              timeout_s=cfg.cluster.init_timeout_s)
     except Exception as e:
         raise PsrpcError(
             f"{topo.name}: no plan from the chief ({topo.chief_name}) after waiting up to "
             f"{cfg.cluster.init_timeout_s:.0f} s (cluster.init_timeout_s) for it to initialise "
             f"the parameter servers: {str(e).splitlines()[0]}") from e
-    worker = worker_cls(cfg, topo, plan)
+
+
+def _run_worker(cfg: Config, topo: Topology, worker_cls) -> None:
+    from psrpc import chief
+
+    worker = worker_cls(cfg, topo, fetch_plan(cfg, topo, membership.current()))
+    worker.plan_source = lambda epoch: fetch_plan(cfg, topo, epoch)
     worker.run()
     comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
+
+
+def local_shards() -> list[int]:
+    """The indices of the shards this PS holds (a PS started again holds none)."""
+    return sorted(comm.registered())
+
+
+def drop_shards() -> None:
+    """Forget this PS's shards (every shard rolls back to a checkpoint: new ones replace them)."""
+    for shard in comm.registered().values():
+        shard.close()
+    comm.registered().clear()
 
 
 def _wait_for_stop(topo: Topology) -> bool:
     """Serve RPCs until the chief says stop; give up if the chief stops answering."""
     from psrpc import chief
 
-    while not _STOP.wait(1.0 if _TERMINATING else PING_EVERY_S):
+    membership.wake_on_change(_WAKE)
+    while not _STOP.is_set():
+        _WAKE.wait(1.0 if _TERMINATING else PING_EVERY_S)
+        _WAKE.clear()
+        if _STOP.is_set():
+            break
+        if membership.changing():  # a rank was started again: join the new group at once
+            membership.rejoin()
+            continue
         try:
             phase = comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
         except Exception as e:

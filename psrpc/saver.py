@@ -63,6 +63,19 @@ class CheckpointSaver(Hook):
             self.save(ahead if self._next is None else min(ahead, self._next))
         self._capture(info.step)
 
+    def rebind(self, plan) -> None:
+        """A new membership epoch: the same shards (or restored ones) through new references."""
+        self.shards = plan.all_shards + plan.table_shards
+
+    def rollback(self, step: int) -> None:
+        """Every shard is back at `step`: steps past it are asked (and saved) again."""
+        self.start = step
+        self._next = (step // self.every_steps + 1) * self.every_steps if self.every_steps else None
+        for s in [s for s in self._buffers if s > step]:
+            self._buffers.pop(s).set_result(None)
+        for s in [s for s in self._asked if s > step]:  # asked of shards that are gone
+            del self._asked[s]
+
     def _capture(self, step: int) -> None:
         """Buffers for every asked step the chief has reached (one copy shared by all). Runs
         on the training thread only, as everything that touches `_buffers` does."""
@@ -100,7 +113,12 @@ class CheckpointSaver(Hook):
         return done
 
     def _commit(self, step: int, futures, buffers: PyFuture) -> bool:
-        infos = [f.wait() for f in futures]
+        try:
+            infos = [f.wait() for f in futures]
+        except Exception as e:  # the group changed (a rank joined again) while it waited
+            log.warning("checkpoint step %d not made (%s); keeping the last one", step,
+                        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            return False
         missing = [f"ps{self.layout.shard_ps[k]}/shard{k}" if k < self.dense  # not always ps{k}
                    else f"ps{k - self.dense}/tables" for k, info in enumerate(infos) if info is None]
         if missing:

@@ -1,7 +1,8 @@
 """A parameter-server shard: the flat master copy of its part of the model, its optimizer, its
 version (= global steps applied), its checkpoints, and the counters the chief reports.
 
-Created on its PS by the chief with `comm.remote` and used through the RRef. `push_pull` checks a
+Created on its PS by the chief (`create`) and reached through a `comm.Handle` (its PS's name
+and its global index), which outlives a membership epoch. `push_pull` checks a
 push, then hands it to the update rule (`sync.SyncAggregator` or `async_apply.AsyncApplier`).
 Every change to the master copy happens under `self.lock`: in-place tensor ops release the GIL,
 so unlocked accumulation loses updates (docs/design.md, "RPC pitfalls").
@@ -127,7 +128,7 @@ class Shard:
         self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
         self._sum: Optional[torch.Tensor] = None  # float32, a sync round's gradient sum
 
-    # -- the verbs (called through the RRef) -----------------------------------------------------
+    # -- the verbs (called through the Handle) ---------------------------------------------------
     @comm.async_execution
     def push_pull(self, worker: int, version: int, grad: torch.Tensor, loss: float,
                   samples: int, ticket: Optional[int] = None):
@@ -211,6 +212,25 @@ class Shard:
         waiting, self._settled = self._settled, []
         for fut in waiting:
             threading.Thread(target=fut.set_result, args=(self.version,), daemon=True).start()
+
+    def begin_epoch(self) -> int:
+        """A new membership epoch: the old group's waiters are gone. A sync round that was
+        open closes with what it has (as after update.timeout_s); async held pushes and
+        clock waits are dropped (their workers push again). Returns the version."""
+        with self.lock:
+            self.updater.new_epoch()
+            self._settled = []
+            return self.version
+
+    def catch_up(self, target: int) -> int:
+        """Pass steps without an update up to `target` (every shard at one version when a new
+        epoch starts: a push the old group lost may have reached some shards only)."""
+        with self.lock:
+            while self.version < min(target, self.max_steps):
+                self.advance()
+            if hasattr(self.updater, "caught_up"):
+                self.updater.caught_up()
+            return self.version
 
     def report(self) -> dict:
         with self.lock:
@@ -360,3 +380,13 @@ class Shard:
         if grad.device.type != "cpu" or grad.layout != torch.strided:
             raise PushRejected(f"{name}: worker{worker} pushed a {grad.layout} tensor on "
                                f"{grad.device}, expected a dense CPU tensor")
+
+
+def create(spec: ShardSpec) -> int:
+    """On a PS: build the shard `spec` describes (a TableShard for a table spec) and register
+    it under its index; returns the index (the Handle's key)."""
+    from psrpc.sparse.shard import TableShard, TableShardSpec
+
+    shard = TableShard(spec) if isinstance(spec, TableShardSpec) else Shard(spec)
+    comm.register(shard.index, shard)
+    return shard.index

@@ -134,6 +134,14 @@ class SyncAggregator:
         if done is not None:
             comm.resolve_all([done])
 
+    def new_epoch(self) -> None:
+        """The round's waiters belonged to the old group: close it with what it has, answering
+        nobody; every worker is back (one was started again)."""
+        self.live.lost.clear()
+        if self.members:
+            self._future = torch.futures.Future()  # no one waits on it any more
+            self._close_round()
+
     def release(self) -> list:
         """Training is over: answer the open round's waiters (their gradients are discarded)."""
         if not self.members:

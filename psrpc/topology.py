@@ -36,7 +36,11 @@ class Topology:
     interface: Optional[str] = None
     """Network interface this rank's RPC listens on; None: wherever the host name resolves."""
     agent_store: bool = False
-    """torchrun's agent hosts the rendezvous store at MASTER_ADDR:MASTER_PORT (no rank does)."""
+    """torchrun's agent, or the local launcher, hosts the rendezvous store at
+    MASTER_ADDR:MASTER_PORT (no rank does)."""
+    epoch: int = 0
+    """Membership epoch: a new static RPC group each time a lost rank is started again (the
+    local launcher's workers rejoining, a PS recovering); 0 at start."""
 
     @property
     def world_size(self) -> int:
@@ -71,10 +75,12 @@ class Topology:
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
-    def with_rank(self, rank: int) -> "Topology":
-        """This topology as seen by one process the local launcher starts (one node)."""
+    def with_rank(self, rank: int, epoch: int = 0) -> "Topology":
+        """This topology as seen by one process the local launcher starts (one node; the
+        launcher hosts the store), joining at membership epoch `epoch`."""
         return Topology(self.num_ps, self.num_workers, rank, self.master_addr, self.master_port,
-                        rank, self.world_size, stages=self.stages, interface=self.interface)
+                        rank, self.world_size, stages=self.stages, interface=self.interface,
+                        agent_store=True, epoch=epoch)
 
     # -- questions the rest of psrpc asks -----------------------------------------------------
     def role_of(self, rank: int) -> tuple[str, int]:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from psrpc import comm, factories
+from psrpc import comm, factories, membership
 from psrpc.async_apply import Ticket
 from psrpc.config import AMP_DTYPES, Config
 from psrpc.data import GlobalBatches
@@ -44,13 +44,14 @@ class Plan:
     """What the chief hands every worker once the shards exist."""
 
     layouts: list[Layout]  # per pipeline stage (data parallel: one)
-    shards: list[list]  # shards[s][k]: RRef of stage s's shard k (on ps{layouts[s].shard_ps[k]})
+    shards: list[list]  # shards[s][k]: Handle of stage s's shard k (on ps{layouts[s].shard_ps[k]})
     cuts: list[int]  # index of each stage's first layer (data parallel: [0])
     restored_from_step: Optional[int] = None
     buffers: Optional[dict[str, torch.Tensor]] = None  # restored buffers, full-model names
-    table_shards: list = field(default_factory=list)  # RRef of each PS's TableShard (k: ps{k})
+    table_shards: list = field(default_factory=list)  # Handle of each PS's TableShard (ps{k})
     table_specs: list = field(default_factory=list)  # TableSpec of every embedding table
     partition: str = "mod"  # sparse.partition
+    rolled_back_to: Optional[int] = None  # a new membership epoch that restored a checkpoint
 
     @property
     def layout(self) -> Layout:
@@ -190,8 +191,11 @@ class Replica:
         self.batches = StepBatches(self.data.train, self.order, self.replica, self.batch,
                                    self.device, cfg.data.get("num_workers", 0), cfg.train.seed)
         self.autocast = AMP_DTYPES[cfg.train.amp]
-        self.faults = build_faults(cfg.fault, "worker", topo.index, topo.restart_count)
+        # fault.crash_* crash the first attempt (torchrun) and the first epoch only
+        self.faults = build_faults(cfg.fault, "worker", topo.index,
+                                   topo.restart_count + topo.epoch)
         self.stats = WorkerStats()
+        self.plan_source: Optional[Callable[[int], Plan]] = None  # a new epoch's plan
         self.nonfinite = NonfiniteGuard(self.replica, cfg.train.nonfinite_patience,
                                         cfg.update.wire_dtype)
         # Bounded staleness: a gradient is pushed only once the clock shard admits it.
@@ -291,17 +295,17 @@ class Worker(Replica):
         # Every gradient is needed before the first push for a NaN injection, the clock's
         # ticket (bounded staleness) and clipping by norm; otherwise shards go out as backward
         # fills them.
-        nan = self.faults.nan_due(step)
+        nan = self.faults.nan_due(versions[0])  # fault.* count global steps
         clip = self.cfg.train.clip_grad_norm
         overlap = not (nan or self.bounded or clip)
         if overlap:
             self.flat.arm(push)
-        self.faults.before_backward(step)
+        self.faults.before_backward(versions[0])
         loss.backward()
         rest = self.flat.disarm() if overlap else list(range(len(versions)))
         table_grads = self.table_gradients()
         if nan:
-            self.faults.corrupt(step, self.flat.all_grads() + [g for _, g in
+            self.faults.corrupt(versions[0], self.flat.all_grads() + [g for _, g in
                                                                table_grads.values()])
         if clip:  # this worker's own gradient norm (the round averages clipped gradients)
             torch.nn.utils.clip_grad_norm_(
@@ -329,25 +333,58 @@ class Worker(Replica):
             grads.update(t.take_gradients())
         return grads
 
+    def rebind(self, plan: Plan) -> None:
+        """A new membership epoch: the same shards (or, after a roll back, restored ones)
+        through new references."""
+        self.plan = plan
+        self.client = ShardClient(plan.shards[0], self.index)
+        self.clock = plan.shards[0][0]
+        if self.tables:
+            self.rows = RowClient(plan.table_shards, plan.table_specs, plan.partition,
+                                  self.index)
+            for t in self.tables:
+                t.bind(self.rows)
+        if plan.rolled_back_to is not None:
+            load_buffers(self.model, plan.buffers)
+
+    def rejoin(self) -> tuple[list[Reply], list[int]]:
+        """Join the new membership epoch's group, take its plan, pull the parameters."""
+        epoch = membership.rejoin()
+        self.rebind(self.plan_source(epoch))
+        self._data_step = None  # async: from the current version again
+        replies = self.client.pull()
+        return replies, self.load(replies)
+
     def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
         """Train until the shards say training is finished. `after_step` is the chief's hook;
-        it returns True to end training at once."""
+        it returns True to end training at once. A membership change (a rank started again)
+        is met at the next step, or by the RPC that the old group's end broke: the step is
+        done again in the new epoch."""
         replies = self.client.pull()
         versions = self.load(replies)
         self.finished = False
         while not replies[0].finished:
+            if membership.changing():
+                replies, versions = self.rejoin()
+                continue
             t0 = time.perf_counter()
             step = self.data_step(versions[0])
-            loss, futures = self.step(step, versions)
-            t1 = time.perf_counter()
-            if futures is None:  # not admitted: training is over, or pull fresher parameters
-                if self.finished:
-                    break
-                replies = self.client.pull()
-                versions = self.load(replies)
+            try:
+                loss, futures = self.step(step, versions)
+                t1 = time.perf_counter()
+                if futures is None:  # not admitted: training is over, or pull fresher params
+                    if self.finished:
+                        break
+                    replies = self.client.pull()
+                    versions = self.load(replies)
+                    continue
+                replies = self.receive(futures)
+            except Exception:
+                if not membership.wait_change(MEMBERSHIP_GRACE_S):
+                    raise
+                replies, versions = self.rejoin()
                 continue
             self.next_data_step()
-            replies = self.receive(futures)
             t2 = time.perf_counter()
             versions = [r.version for r in replies]
             self.stats.pushes += 1
@@ -357,6 +394,9 @@ class Worker(Replica):
             self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if after_step(replies[0], t2 - t1, loss):
                 break
+
+
+MEMBERSHIP_GRACE_S = 3.0  # an RPC failed: how long to wait for the launcher's announcement
 
 
 class _Grad:
