@@ -13,9 +13,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize("update", ["async", "sync"])
-def test_worker_crash_others_finish_all_steps(tmp_path, update):
+def test_worker_crash_with_no_restarts_left_others_finish_all_steps(tmp_path, update):
     summary, state = run_cluster(tmp_path, [
         f"update={update}", "cluster.num_workers=3", "train.steps=60", "update.timeout_s=5",
+        "cluster.max_worker_restarts=0",
         "fault.crash_role=worker", "fault.crash_index=2", "fault.crash_at_step=10"])
     assert summary["steps"] == 60 and summary["workers_lost"] == 1
     assert all(torch.isfinite(v).all() for v in state.values())
@@ -24,11 +25,12 @@ def test_worker_crash_others_finish_all_steps(tmp_path, update):
         assert log.count("waited 5.0 s (update.timeout_s)") == 1, log
 
 
-def test_ps_crash_stops_the_run_naming_it_and_rerun_resumes(tmp_path):
+def test_ps_crash_with_no_restarts_left_stops_the_run_naming_it_and_rerun_resumes(tmp_path):
     ck = f"checkpoint.dir={tmp_path / 'ck'}"
     t0 = time.monotonic()
     with pytest.raises(ClusterFailed, match=r"^ps0 died \(killed by SIGKILL\)"):
         run_cluster(tmp_path / "first", [ck, "checkpoint.every_steps=10", "train.steps=60",
+                                         "cluster.max_ps_restarts=0",
                                          "fault.crash_role=ps", "fault.crash_index=0",
                                          "fault.crash_at_step=25"])
     assert time.monotonic() - t0 < 60

@@ -1,0 +1,122 @@
+"""Elastic membership over real clusters (local launcher): a worker killed with SIGKILL is
+started again and rejoins the running job (no checkpoint restored); a PS killed after a
+checkpoint is started again and every shard rolls back to it; the chief's death restarts the
+group from the checkpoint; every process is named after its rank."""
+
+import json
+import shutil
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import assert_equal_model, compose, read_outputs, run_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _rejoined(summary, worker: int = 2):
+    """Its epochs' records, and whether the worker pushed again after each rejoin."""
+    epochs = summary["epochs"]
+    final = int(summary["shards"][0]["per_worker_applied"].get(str(worker), 0))
+    grew = all(final > int(e["applied_before"].get(str(worker), 0)) for e in epochs)
+    return epochs, grew
+
+
+@pytest.mark.parametrize("update", ["sync", "async"])
+def test_a_killed_worker_rejoins_the_running_job(tmp_path, update):
+    summary, _ = run_cluster(tmp_path, [
+        f"update={update}", "cluster.num_workers=3", "train.steps=120",
+        "fault.crash_role=worker", "fault.crash_index=2", "fault.crash_at_step=20"])
+    epochs, grew = _rejoined(summary)
+    assert summary["steps"] == 120 and summary["restored_from_step"] is None
+    assert summary["workers_rejoined"] == 1 and summary["workers_lost"] == 0
+    assert [e["started_again"] for e in epochs] == ["worker2"] and grew
+    assert epochs[0]["rolled_back_to"] is None and 0 < epochs[0]["pause_s"] < 30
+    if update == "sync":  # no round waited for the dead worker until update.timeout_s
+        assert "update.timeout_s" not in (tmp_path / "logs" / "ps0.log").read_text()
+
+
+def _kill_when(name: str, ready, timeout_s: float = 60) -> threading.Thread:
+    """A thread that SIGKILLs process `name` (psrpc-<rank>) once `ready()` holds."""
+
+    def run():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ready():
+                for p in psutil.process_iter(["name"]):
+                    if p.info["name"] == name:
+                        p.kill()
+                        return
+            time.sleep(0.1)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_same_worker_killed_twice_rejoins_twice(tmp_path):
+    """The second kill comes from outside (kill -9 of the process named psrpc-worker2), once
+    the first rejoin is in the chief's log."""
+    log = tmp_path / "logs" / "worker0.log"
+    killer = _kill_when("psrpc-worker2", lambda: log.exists()
+                        and "membership epoch 1:" in log.read_text())
+    summary, _ = run_cluster(tmp_path, [
+        "cluster.num_workers=3", "train.steps=400", "fault.slow_worker=1", "fault.slow_s=0.02",
+        "fault.crash_role=worker", "fault.crash_index=2", "fault.crash_at_step=20"])
+    killer.join(1)
+    epochs, grew = _rejoined(summary)
+    assert summary["steps"] == 400 and summary["workers_rejoined"] == 2
+    assert [e["epoch"] for e in epochs] == [1, 2] and grew
+
+
+def test_a_killed_ps_recovers_in_place_and_equals_a_run_restored_from_that_checkpoint(tmp_path):
+    """Every shard rolls back to the last committed step (the PS's from its files, the others
+    from theirs) and training goes on: bit for bit what a run restored from that step gives."""
+    mode = ["cluster.num_ps=2", "cluster.num_workers=2", "train.steps=60",
+            "checkpoint.every_steps=10", "checkpoint.keep=100"]
+    ck = tmp_path / "ck"
+    summary, state = run_cluster(tmp_path / "killed", mode + [
+        f"checkpoint.dir={ck}", "fault.crash_role=ps", "fault.crash_index=1",
+        "fault.crash_at_step=35"])
+    (epoch,) = summary["epochs"]
+    assert epoch["started_again"] == "ps1" and epoch["rolled_back_to"] == 30
+    assert summary["steps"] == 60 and all(s["version"] == 60 for s in summary["shards"])
+    shutil.copytree(ck / "step-30", tmp_path / "from30" / "step-30")
+    restored = run_cluster(tmp_path / "restored", mode + [f"checkpoint.dir={tmp_path / 'from30'}"])
+    assert restored[0]["restored_from_step"] == 30
+    assert_equal_model(state, restored[1])
+
+
+def test_the_chiefs_death_restarts_the_group_from_the_last_checkpoint(tmp_path):
+    """As TensorFlow's MonitoredTrainingSession: the chief's session is gone with it, so every
+    process starts again and training resumes from the last committed checkpoint."""
+    summary, _ = run_cluster(tmp_path, [
+        "train.steps=60", "checkpoint.every_steps=10", f"checkpoint.dir={tmp_path / 'ck'}",
+        "fault.crash_role=worker", "fault.crash_index=0", "fault.crash_at_step=35"])
+    assert summary["steps"] == 60 and summary["restored_from_step"] == 30
+
+
+def test_every_process_is_named_after_its_rank_and_logs_its_pid(tmp_path):
+    names = {}
+    log = tmp_path / "logs" / "worker0.log"
+    seen = threading.Event()
+
+    def watch():
+        while not seen.is_set():
+            for p in psutil.process_iter(["name", "pid"]):
+                if (p.info["name"] or "").startswith("psrpc-"):
+                    names[p.info["name"]] = p.info["pid"]
+            if len(names) == 3:
+                seen.set()
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    run_cluster(tmp_path, ["train.steps=200", "fault.slow_worker=1", "fault.slow_s=0.01"])
+    seen.set()
+    assert set(names) == {"psrpc-ps0", "psrpc-worker0", "psrpc-worker1"}
+    for rank, pid in names.items():
+        first = (tmp_path / "logs" / f"{rank[6:]}.log").read_text().splitlines()[0]
+        assert f"is pid {pid} (process name {rank})" in first
