@@ -1,5 +1,7 @@
 """SLURM's compressed lists, read without SLURM: which node runs task 0, how many tasks a node
-runs, and the rendezvous port a job's tasks agree on. psrpc.topology reads the variables."""
+runs, and the rendezvous port a job's tasks agree on (psrpc.topology reads the variables); and
+the tasks per node that psrpc's submitit launcher configs ask for.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import functools
 import re
 import shutil
 import subprocess
+import sys
 
 # A port every task of a job computes alike from the job id, unless MASTER_PORT names one:
 # 15000-24999, below Linux's ephemeral range (32768-60999), so that no outgoing connection
@@ -76,3 +79,17 @@ def tasks_per_node(text: str) -> list[int]:
             raise ValueError("cannot read it (SLURM writes e.g. '2(x3),1')")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     return counts
+
+
+def launcher_tasks_per_node(num_ps: int, num_workers: int, nodes: int) -> int:
+    """hydra.launcher.tasks_per_node in conf/hydra/launcher/psrpc_*.yaml (a resolver): one task
+    per rank, the same number on every node (submitit asks SLURM for --ntasks-per-node)."""
+    ranks, nodes = int(num_ps) + int(num_workers), int(nodes)
+    if nodes < 1 or ranks % nodes:
+        # Hydra resolves this while it builds the launcher, outside any job and before one is
+        # submitted: an exception would reach the user as a wall of Hydra's frames
+        print(f"psrpc: error: hydra.launcher.nodes={nodes}: cluster.num_ps + cluster.num_workers "
+              f"= {ranks} ranks do not split evenly over {nodes} nodes (submitit starts as many "
+              "tasks on every node)", file=sys.stderr)
+        sys.exit(2)
+    return ranks // nodes
