@@ -183,22 +183,34 @@ def test_multirun_under_srun_is_refused(tmp_path):
 def test_submitit_local_sweep_runs_a_job_per_point_and_a_task_per_rank(tmp_path):
     """`-m hydra/launcher=psrpc_submitit_local`: each sweep point is one submitit job of P + W
     tasks (tasks_per_node from cluster.num_ps + cluster.num_workers), each task runs its own
-    rank, and the tasks of a job share the job's output directory."""
+    rank (no local launcher inside), the tasks of a job share the job's output directory, and
+    they listen on loopback (this machine's tasks; no interface named)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    r = cli(["-m", "hydra/launcher=psrpc_submitit_local", "update=sync,async",
-             "cluster.num_workers=1", *QUICK], tmp_path, env=_env())
-    assert r.returncode == 0, r.stderr
+    err = open(tmp_path / "sweep.err", "w")
+    sweep_cmd = subprocess.Popen(
+        [sys.executable, "-m", "psrpc", "-m", "hydra/launcher=psrpc_submitit_local",
+         "update=sync,async", "cluster.num_workers=1", *on_cpu(QUICK)], cwd=tmp_path, env=_env(),
+        stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        _, listens = _watch([sweep_cmd], timeout_s=180)
+    finally:
+        _stop([sweep_cmd], [err])
+    assert sweep_cmd.returncode == 0, (tmp_path / "sweep.err").read_text()
+    assert sorted(listens) == ["ps0", "worker0"]  # the ranks of both jobs
+    _only_loopback(listens)
     (sweep,) = {p.parent.parent for p in (tmp_path / "multirun").rglob("summary.json")}
     for job, update in (("0", "sync"), ("1", "async")):
         assert json.loads((sweep / job / "summary.json").read_text())["update"] == update
         assert sorted(p.name for p in (sweep / job / "logs").iterdir()) == ["ps0.log",
                                                                              "worker0.log"]
-    # one submitit job per point; its task 0 ran ps0 and its task 1 worker0 (no local launcher)
+    # one submitit job per point: its task 0 ran ps0 only, its task 1 worker0 only (a local
+    # launcher in a task would start, and log, a whole cluster)
     jobs = sorted((sweep / ".submitit").glob("[0-9]*"))
     assert len(jobs) == 2
     for folder in jobs:
-        logs = [(folder / f"{folder.name}_{t}_log.err").read_text() for t in (0, 1)]
-        assert "[ps0] ps0 is pid" in logs[0] and "[worker0] done: 20 steps" in logs[1], logs
+        ps, worker = [(folder / f"{folder.name}_{t}_log.err").read_text() for t in (0, 1)]
+        assert "[ps0] ps0 is pid" in ps and "[worker0]" not in ps, ps
+        assert "[worker0] done: 20 steps" in worker and "[ps0]" not in worker, worker
 
 
 def test_uneven_nodes_for_the_submitit_launcher_is_one_line(tmp_path):

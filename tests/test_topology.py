@@ -45,14 +45,16 @@ def test_from_env_reads_srun_variables():
     assert (t.master_addr, t.master_port) == ("node07", 15000 + 123456 % 10000)
     assert not t.agent_store and not t.submitit and t.interface is None and t.restart_count == 0
     assert shared_run_id(SRUN_ENV) == "slurm/123456.0" and launched_rank(SRUN_ENV) == 3
-    mine = Topology.from_env(1, 3, env={**SRUN_ENV, "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "2345",
-                                        "SLURM_RESTART_COUNT": "2", "SUBMITIT_EXECUTOR": "slurm"})
+    mine = Topology.from_env(1, 3, env={**SRUN_ENV, "MASTER_ADDR": "10.1.2.3",
+                                        "MASTER_PORT": "2345", "SLURM_RESTART_COUNT": "2",
+                                        "SUBMITIT_EXECUTOR": "slurm"})
     assert (mine.master_addr, mine.master_port, mine.restart_count) == ("10.1.2.3", 2345, 2)
     assert mine.submitit  # a task of a job that Hydra's submitit launcher submitted
     uneven = {**SRUN_ENV, "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_PROCID": "0",
               "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
     assert Topology.from_env(1, 3, env=uneven).local_world_size == 3
-    assert Topology.from_env(1, 3, env={**uneven, "SLURM_NTASKS_PER_NODE": "2"}).local_world_size == 2
+    per_node = {**uneven, "SLURM_NTASKS_PER_NODE": "2"}  # --ntasks-per-node wins
+    assert Topology.from_env(1, 3, env=per_node).local_world_size == 2
 
 
 def test_one_slurm_task_runs_the_local_launcher_and_torchrun_comes_first():
@@ -86,8 +88,9 @@ def test_slurm_errors_name_the_variable(change, message):
 def test_from_env_reads_submitit_local_variables():
     """Hydra's submitit_local runs a job's tasks on this machine, named by submitit's own
     variables: every listener on loopback unless an interface is named."""
-    env = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1",
-           "SUBMITIT_LOCAL_NTASKS": "3", "SUBMITIT_LOCAL_JOB_ID": "4321"}
+    env = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "1",
+           "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_NTASKS": "3",
+           "SUBMITIT_LOCAL_JOB_ID": "4321"}
     t = Topology.from_env(1, 2, env=env)
     assert (t.rank, t.master_addr, t.master_port) == (1, "127.0.0.1", 15000 + 4321)
     assert t.submitit and t.interface == netif.loopback_interface() and shared_run_id(env) is None
