@@ -107,7 +107,7 @@ def test_two_torchrun_nodes_give_the_local_launchers_model(tmp_path):
     local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
     assert local.returncode == 0, local.stderr
     port = free_port()
-    # the same command on both "nodes" (c10d numbers the nodes as they join; no --node-rank)
+    # the same command on both "nodes" (c10d ignores --node-rank: it numbers the nodes itself)
     errs = [open(tmp_path / f"node{node}.err", "w") for node in (0, 1)]
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
@@ -120,7 +120,7 @@ def test_two_torchrun_nodes_give_the_local_launchers_model(tmp_path):
         _stop(agents, errs)
     errs = "".join((tmp_path / f"node{n}.err").read_text() for n in (0, 1))
     assert [a.returncode for a in agents] == [0, 0], errs
-    # torchrun gives each node a block of ranks (c10d orders the nodes as they join)
+    # torchrun gives each node a block of ranks (c10d sorts the nodes by address, then pid)
     nodes = sorted(sorted(r for r, n in node_of.items() if n == node) for node in (0, 1))
     assert nodes == [["ps0", "worker0"], ["worker1", "worker2"]], node_of
     _only_loopback(listens)
