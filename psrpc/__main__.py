@@ -1,7 +1,9 @@
-"""Entry point: `python -m psrpc [overrides]`, `torchrun ... -m psrpc`, and `python -m psrpc -m`.
+"""Entry point: `python -m psrpc [overrides]`, `torchrun ... -m psrpc`, `srun python -m psrpc`,
+and `python -m psrpc -m` (a sweep, through the local launcher or Hydra's submitit launcher).
 
-Without RANK in the environment this process is the local launcher and starts the whole cluster;
-under torchrun each process runs its own rank. Either way: parse, validate, build, run.
+Started by nobody (no RANK, no SLURM task of many) this process is the local launcher and starts
+the whole cluster; under torchrun, srun or a submitit job each process runs its own rank
+(psrpc/topology.py reads which). Either way: parse, validate, build, run.
 """
 
 from __future__ import annotations
@@ -21,17 +23,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from psrpc import slurm
 from psrpc.config import register_configs, resolve_paths, stages, to_config, validate
 from psrpc.errors import PsrpcError
 from psrpc.factories import check_run
-from psrpc.topology import Topology
+from psrpc.topology import Topology, launched_rank, shared_run_id
 
 
 def _run_dir(base: str) -> str:
-    """hydra.run.dir: torchrun's ranks resolve ${now} apart, so they share the run id instead."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":
-        return f"{base}/torchrun/{run_id}"
+    """hydra.run.dir: the ranks of one torchrun or srun run resolve ${now} apart, so they share
+    the launcher's run id instead (outputs/torchrun/<run id>, outputs/slurm/<job>.<step>)."""
+    run_id = shared_run_id()
+    if run_id:
+        return f"{base}/{run_id}"
     from datetime import datetime
 
     port = os.environ.get("MASTER_PORT") if "RANK" in os.environ else None
@@ -41,11 +45,13 @@ def _run_dir(base: str) -> str:
 
 def _hydra_subdir():
     """Only one rank writes .hydra/ into the shared run directory."""
-    return ".hydra" if os.environ.get("RANK", "0") == "0" else None
+    return ".hydra" if launched_rank() in (None, 0) else None
 
 
 OmegaConf.register_new_resolver("psrpc_run_dir", _run_dir, replace=True)
 OmegaConf.register_new_resolver("psrpc_hydra_subdir", _hydra_subdir, replace=True)
+OmegaConf.register_new_resolver("psrpc_tasks_per_node", slurm.launcher_tasks_per_node,
+                                replace=True)
 register_configs()
 
 
@@ -70,9 +76,12 @@ def main(dcfg: DictConfig) -> None:
             print(f"psrpc: outputs in {out_dir}" + (f" ({', '.join(lost)} lost)" if lost else ""),
                   file=sys.stderr)
         else:
-            if HydraConfig.get().mode == RunMode.MULTIRUN:
-                raise PsrpcError("multirun (-m) under torchrun would run the whole sweep on every "
-                                 "rank: run sweeps with the local launcher (python -m psrpc -m ...)")
+            # A submitit task runs its rank of one job of the sweep; torchrun's and srun's
+            # ranks would each run the whole sweep
+            if HydraConfig.get().mode == RunMode.MULTIRUN and not topo.submitit:
+                raise PsrpcError("multirun (-m) under torchrun or srun would run the whole sweep "
+                                 "on every rank: run sweeps with the local launcher (python -m "
+                                 "psrpc -m ...) or Hydra's submitit launcher (README: SLURM)")
             from psrpc.process import run_rank
 
             run_rank(cfg, topo, out_dir)

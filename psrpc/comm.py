@@ -29,6 +29,18 @@ RRef = rpc.RRef
 
 _SCHEME = "psrpc"
 
+# TensorPipe's CPU channels (what carries tensors), in TensorPipe's own order of preference: cma
+# (same host), mpt_uv (many TCP connections), basic. Only CPU tensors cross psrpc's RPCs; naming
+# the channels leaves out the CUDA ones that TensorPipe otherwise adds where CUDA is visible, and
+# whose cuda_ipc aborts the handshake between two hosts (PyTorch issue 95487).
+CPU_CHANNELS = ("cma", "mpt_uv", "basic")
+
+
+def channels() -> Optional[list[str]]:
+    """TensorPipe's channels for init_rpc: the CPU ones where CUDA is visible; elsewhere None,
+    TensorPipe's defaults as they have always been here."""
+    return list(CPU_CHANNELS) if torch.cuda.is_available() else None
+
 
 def _rendezvous(url: str, **kwargs):
     """init_rpc's rendezvous, as torch's tcp:// one but with our own timeout (init_rpc gives
@@ -124,6 +136,7 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
         init_method=f"{_SCHEME}://{host}:{port}?timeout_s={init_timeout_s}&attempt={attempt}"
                     f"&agent_store={int(agent_store)}&epoch={epoch}",
         _transports=list(transports) if transports else None,
+        _channels=channels(),
     )
     _fresh_rpc_module_state()
     with warnings.catch_warnings():

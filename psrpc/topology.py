@@ -2,6 +2,13 @@
 
 Ranks [0, P) are parameter servers ps0..ps{P-1}; ranks [P, P+W) are workers
 worker0..worker{W-1}; worker0 is the chief.
+
+Who started this process, read from its environment (the first that applies):
+- torchrun, or anything that sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT;
+- srun, also inside a SLURM job that Hydra's submitit launcher submitted (SLURM_PROCID, ...);
+- Hydra's submitit_local launcher (SUBMITIT_LOCAL_GLOBALID, ...: submitit's own variables);
+- nothing: this is the local launcher's parent, which starts every rank itself. A SLURM job step
+  (or submitit_local job) of one task is this case too: its one task runs the local launcher.
 """
 
 from __future__ import annotations
@@ -9,10 +16,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
-from psrpc import netif
-from psrpc.errors import ConfigError
+from psrpc import netif, slurm
+from psrpc.errors import ConfigError, PsrpcError
 
 # Where a user names the interface RPC listens on, besides cluster.interface: TensorPipe's and
 # gloo's own variables (init_rpc builds a gloo group too; both listen).
@@ -41,6 +48,8 @@ class Topology:
     epoch: int = 0
     """Membership epoch: a new static RPC group each time a lost rank is started again (the
     local launcher's workers rejoining, a PS recovering); 0 at start."""
+    submitit: bool = False
+    """Started by Hydra's submitit launcher: this process runs its rank of one job of a sweep."""
 
     @property
     def world_size(self) -> int:
@@ -50,30 +59,33 @@ class Topology:
     def from_env(cls, num_ps: int, num_workers: int, stages: int = 1,
                  interface: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> "Topology":
-        """Read RANK/WORLD_SIZE/... (set by torchrun); without them this is the launcher's parent
-        (whose ranks listen on loopback whatever the environment says, see `launch`).
+        """This process's rank, from whoever started it (torchrun, srun, submitit: the module
+        docstring); without one this is the local launcher's parent (whose ranks listen on
+        loopback whatever the environment says, see `launch`).
 
         The interface to listen on is `interface` (cluster.interface), else the one that
-        TP_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names."""
+        TP_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names, else the launcher's default (loopback for
+        submitit_local, whose tasks all run on this machine; else wherever the host name
+        resolves)."""
         env = os.environ if env is None else env
-        port = env.get("MASTER_PORT")
-        base = dict(num_ps=num_ps, num_workers=num_workers, stages=stages,
-                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                    master_port=int(port) if port else 0)
-        if "RANK" not in env:
-            return cls(**base)
-        world = int(env.get("WORLD_SIZE", "0"))
-        if world != num_ps + num_workers:
+        base = dict(num_ps=num_ps, num_workers=num_workers, stages=stages)
+        started = launched(env)
+        if started is None:
+            port = env.get("MASTER_PORT")
+            return cls(**base, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=int(port) if port else 0)
+        if started.world_size != num_ps + num_workers:
             raise ConfigError(
-                f"WORLD_SIZE={world} but cluster.num_ps={num_ps} + cluster.num_workers="
-                f"{num_workers} = {num_ps + num_workers}: launch exactly P + W processes "
-                f"(torchrun --nproc-per-node × --nnodes = {num_ps + num_workers}), or change "
+                f"{started.world_key}={started.world_size} but cluster.num_ps={num_ps} + "
+                f"cluster.num_workers={num_workers} = {num_ps + num_workers}: launch exactly "
+                f"P + W processes ({started.how} = {num_ps + num_workers}), or change "
                 f"cluster.num_ps / cluster.num_workers")
-        return cls(**base, interface=_interface(interface, env),
-                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                   rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
-                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return cls(**base, rank=started.rank, master_addr=started.find_master_addr(),
+                   master_port=started.master_port, local_rank=started.local_rank,
+                   local_world_size=started.local_world_size,
+                   restart_count=started.restart_count,
+                   interface=_interface(interface, env) or started.default_interface,
+                   agent_store=started.agent_store, submitit=started.submitit)
 
     def with_rank(self, rank: int, epoch: int = 0) -> "Topology":
         """This topology as seen by one process the local launcher starts (one node; the
@@ -182,3 +194,173 @@ def _interface(configured: Optional[str], env: Mapping[str, str]) -> Optional[st
         raise ConfigError(f"{said}: name one interface (RPC listens through TensorPipe and "
                           "gloo; psrpc points both at it)")
     return next(iter(named.values()))[0] if named else None
+
+
+# -- who started this process -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Launched:
+    """What the launcher that started this process says about it."""
+
+    rank: int
+    world_size: int
+    world_key: str
+    """The variable that holds the world size (named in the error when it is not P + W)."""
+    how: str
+    """How to start P + W processes with this launcher (said in that error)."""
+    find_master_addr: Callable[[], str]
+    """Where rank 0 (or torchrun's agent) hosts the rendezvous store; a call, as reading a
+    SLURM node list may run scontrol (only from_env needs it)."""
+    master_port: int
+    local_rank: int = 0
+    local_world_size: int = 1
+    restart_count: int = 0
+    agent_store: bool = False
+    submitit: bool = False
+    default_interface: Optional[str] = None
+    run_id: Optional[str] = None
+    """A name every rank of this run shares (its output directory); None: none is shared."""
+
+
+def launched(env: Optional[Mapping[str, str]] = None) -> Optional[Launched]:
+    """This process's rank as its launcher gives it; None in the local launcher's parent."""
+    env = os.environ if env is None else env
+    for reader in _READERS:
+        started = reader(env)
+        if started is not None:
+            return started
+    return None
+
+
+def shared_run_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """`torchrun/<run id>` or `slurm/<job id>.<step id>`: the output directory every rank of one
+    run agrees on (each rank resolves Hydra's ${now} on its own); None where there is none."""
+    try:
+        started = launched(env)
+    except PsrpcError:  # from_env reports it, in one line, once Hydra has started
+        return None
+    return started.run_id if started else None
+
+
+def launched_rank(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """This process's rank, or None in the local launcher's parent (which has none)."""
+    try:
+        started = launched(env)
+    except PsrpcError:
+        return None
+    return started.rank if started else None
+
+
+def _torchrun(env: Mapping[str, str]) -> Optional[Launched]:
+    """torchrun's variables, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand."""
+    if "RANK" not in env:
+        return None
+    world = _int(env, "WORLD_SIZE", 0)
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    return Launched(
+        rank=_int(env, "RANK"), world_size=world, world_key="WORLD_SIZE",
+        how="torchrun --nproc-per-node × --nnodes", find_master_addr=lambda: addr,
+        master_port=_int(env, "MASTER_PORT", 0), local_rank=_int(env, "LOCAL_RANK", 0),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        run_id=f"torchrun/{run_id}" if run_id and run_id != "none" else None)
+
+
+def _slurm(env: Mapping[str, str]) -> Optional[Launched]:
+    """A task that srun started: one rank per task of the job step."""
+    if "SLURM_PROCID" not in env:
+        return None
+    world = _int(env, "SLURM_NTASKS", 1)
+    if world == 1:  # a step of one task (sbatch's own script, srun -n1): the local launcher
+        return None
+    job = env.get("SLURM_JOB_ID")
+    if env.get("MASTER_PORT"):
+        port = _int(env, "MASTER_PORT")
+    elif job:
+        port = slurm.port_for_job(_int(env, "SLURM_JOB_ID"))
+    else:
+        raise ConfigError("SLURM_PROCID is set but neither MASTER_PORT nor SLURM_JOB_ID: set "
+                          "MASTER_PORT to a free port on the first node of the step")
+    step = env.get("SLURM_STEP_ID")
+    node = _int(env, "SLURM_NODEID", 0)
+    return Launched(
+        rank=_int(env, "SLURM_PROCID"), world_size=world, world_key="SLURM_NTASKS",
+        how="srun --ntasks, or hydra.launcher.nodes × hydra.launcher.tasks_per_node",
+        find_master_addr=lambda: env.get("MASTER_ADDR") or _first_node(env),
+        master_port=port, local_rank=_int(env, "SLURM_LOCALID", 0),
+        local_world_size=_tasks_on_node(env, node),
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+        submitit=env.get("SUBMITIT_EXECUTOR") == "slurm",
+        run_id=(f"slurm/{job}" + (f".{step}" if step else "")) if job else None)
+
+
+def _submitit_local(env: Mapping[str, str]) -> Optional[Launched]:
+    """A task of a job that Hydra's submitit_local launcher started: submitit runs every task
+    of a job on this machine and names them with its own variables (no SLURM_*)."""
+    if env.get("SUBMITIT_EXECUTOR") != "local" or "SUBMITIT_LOCAL_GLOBALID" not in env:
+        return None
+    world = _int(env, "SUBMITIT_LOCAL_NTASKS", 1)
+    if world == 1:
+        return None
+    if env.get("MASTER_PORT"):
+        port = _int(env, "MASTER_PORT")
+    else:  # the job id is the pid of submitit's controller of this job's tasks
+        port = slurm.port_for_job(_int(env, "SUBMITIT_LOCAL_JOB_ID"))
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    rank = _int(env, "SUBMITIT_LOCAL_GLOBALID")
+    return Launched(
+        rank=rank, world_size=world, world_key="SUBMITIT_LOCAL_NTASKS",
+        how="hydra.launcher.tasks_per_node", find_master_addr=lambda: addr, master_port=port,
+        local_rank=_int(env, "SUBMITIT_LOCAL_LOCALID", rank), local_world_size=world,
+        submitit=True, default_interface=netif.loopback_interface())
+
+
+_READERS = (_torchrun, _slurm, _submitit_local)
+
+
+def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
+    value = env.get(key)
+    if value is None or value == "":
+        if default is None:
+            raise ConfigError(f"{key} is not set; the launcher that started this process sets it")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r}: not an integer") from None
+
+
+_NODELIST_KEYS = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+_TASKS_PER_NODE_KEYS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def _first_node(env: Mapping[str, str]) -> str:
+    """The first node of the job step, where task 0 runs (SLURM's default block distribution;
+    with another one, MASTER_ADDR names task 0's node)."""
+    key = next((k for k in _NODELIST_KEYS if env.get(k)), None)
+    if key is None:
+        raise ConfigError(f"SLURM_PROCID is set but none of {', '.join(_NODELIST_KEYS)} is: set "
+                          "MASTER_ADDR to the address of the node that runs task 0")
+    try:
+        return slurm.first_host(env[key])
+    except ValueError as e:
+        raise ConfigError(f"{key}={env[key]!r}: {e}; set MASTER_ADDR to the address of the node "
+                          "that runs task 0") from None
+
+
+def _tasks_on_node(env: Mapping[str, str], node: int) -> int:
+    """SLURM_NTASKS_PER_NODE (set with --ntasks-per-node), else this node's entry of
+    SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE; 1 without any."""
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    key = next((k for k in _TASKS_PER_NODE_KEYS if env.get(k)), None)
+    if key is None:
+        return 1
+    try:
+        counts = slurm.tasks_per_node(env[key])
+    except ValueError as e:
+        raise ConfigError(f"{key}={env[key]!r}: {e}") from None
+    if not 0 <= node < len(counts):
+        raise ConfigError(f"SLURM_NODEID={node} but {key}={env[key]!r} lists {len(counts)} nodes")
+    return counts[node]

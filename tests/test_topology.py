@@ -2,8 +2,9 @@
 
 import pytest
 
+from psrpc import netif
 from psrpc.errors import ConfigError
-from psrpc.topology import Topology
+from psrpc.topology import Topology, launched_rank, shared_run_id
 
 
 def test_ranks_to_roles():
@@ -20,10 +21,80 @@ def test_from_env_reads_torchrun_variables():
     t = Topology.from_env(1, 3, env=env)
     assert (t.rank, t.name, t.master_addr, t.master_port) == (3, "worker2", "10.0.0.1", 29555)
     assert t.restart_count == 0 and t.workers_on_this_node == 2
+    assert shared_run_id(env) == "torchrun/x" and launched_rank(env) == 3
     assert Topology.from_env(1, 3, env={}).rank is None  # no RANK: the local launcher's parent
+    assert shared_run_id({}) is None and launched_rank({}) is None
 
 
 def test_world_size_mismatch_names_every_number():
     with pytest.raises(ConfigError, match=r"WORLD_SIZE=3 but cluster.num_ps=1 \+ "
                                           r"cluster.num_workers=3 = 4"):
         Topology.from_env(1, 3, env={"RANK": "0", "WORLD_SIZE": "3"})
+
+
+# What srun gives task 3 of a 4-task step over two nodes (2 tasks each), job 123456 step 0
+SRUN_ENV = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+            "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "node[07-08]",
+            "SLURM_NODELIST": "node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+
+
+def test_from_env_reads_srun_variables():
+    t = Topology.from_env(1, 3, env=SRUN_ENV)
+    assert (t.rank, t.name, t.local_rank, t.local_world_size) == (3, "worker2", 1, 2)
+    # task 0 runs on the first node of the step; the port follows from the job id
+    assert (t.master_addr, t.master_port) == ("node07", 15000 + 123456 % 10000)
+    assert not t.agent_store and not t.submitit and t.interface is None and t.restart_count == 0
+    assert shared_run_id(SRUN_ENV) == "slurm/123456.0" and launched_rank(SRUN_ENV) == 3
+    mine = Topology.from_env(1, 3, env={**SRUN_ENV, "MASTER_ADDR": "10.1.2.3",
+                                        "MASTER_PORT": "2345", "SLURM_RESTART_COUNT": "2",
+                                        "SUBMITIT_EXECUTOR": "slurm"})
+    assert (mine.master_addr, mine.master_port, mine.restart_count) == ("10.1.2.3", 2345, 2)
+    assert mine.submitit  # a task of a job that Hydra's submitit launcher submitted
+    uneven = {**SRUN_ENV, "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_PROCID": "0",
+              "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    assert Topology.from_env(1, 3, env=uneven).local_world_size == 3
+    per_node = {**uneven, "SLURM_NTASKS_PER_NODE": "2"}  # --ntasks-per-node wins
+    assert Topology.from_env(1, 3, env=per_node).local_world_size == 2
+
+
+def test_one_slurm_task_runs_the_local_launcher_and_torchrun_comes_first():
+    for one in ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "5"},  # srun -n1
+                {"SLURM_PROCID": "0", "SLURM_JOB_ID": "5"}):                   # sbatch's script
+        assert Topology.from_env(1, 3, env=one).rank is None and shared_run_id(one) is None
+    # torchrun under srun (one agent per node): torchrun's variables name the rank
+    both = {**SRUN_ENV, "RANK": "1", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "r"}
+    assert Topology.from_env(1, 3, env=both).rank == 1 and shared_run_id(both) == "torchrun/r"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"SLURM_NTASKS": "3"}, r"SLURM_NTASKS=3 but cluster.num_ps=1 \+ cluster.num_workers=3 = 4: "
+                            r"launch exactly P \+ W processes \(srun --ntasks, or "
+                            r"hydra.launcher.nodes × hydra.launcher.tasks_per_node = 4\)"),
+    ({"SLURM_PROCID": "x"}, r"SLURM_PROCID='x': not an integer"),
+    ({"SLURM_STEP_NODELIST": None, "SLURM_NODELIST": None},
+     r"none of SLURM_STEP_NODELIST, SLURM_NODELIST, SLURM_JOB_NODELIST is: set MASTER_ADDR"),
+    ({"SLURM_STEP_NODELIST": "node[07"}, r"SLURM_STEP_NODELIST='node\[07': cannot read node list"),
+    ({"SLURM_JOB_ID": None}, r"neither MASTER_PORT nor SLURM_JOB_ID: set MASTER_PORT"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(y2)"}, r"SLURM_STEP_TASKS_PER_NODE='2\(y2\)': cannot read"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, r"SLURM_NODEID=1 but SLURM_STEP_TASKS_PER_NODE='4' lists "
+                                         r"1 nodes"),
+])
+def test_slurm_errors_name_the_variable(change, message):
+    env = {k: v for k, v in {**SRUN_ENV, **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        Topology.from_env(1, 3, env=env)
+
+
+def test_from_env_reads_submitit_local_variables():
+    """Hydra's submitit_local runs a job's tasks on this machine, named by submitit's own
+    variables: every listener on loopback unless an interface is named."""
+    env = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "1",
+           "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_NTASKS": "3",
+           "SUBMITIT_LOCAL_JOB_ID": "4321"}
+    t = Topology.from_env(1, 2, env=env)
+    assert (t.rank, t.master_addr, t.master_port) == (1, "127.0.0.1", 15000 + 4321)
+    assert t.submitit and t.interface == netif.loopback_interface() and shared_run_id(env) is None
+    with pytest.raises(ConfigError, match=r"SUBMITIT_LOCAL_NTASKS=3 but cluster.num_ps=1 \+ "
+                                          r"cluster.num_workers=1 = 2: .*tasks_per_node = 2"):
+        Topology.from_env(1, 1, env=env)
+    assert Topology.from_env(1, 2, env={**env, "SUBMITIT_LOCAL_NTASKS": "1"}).rank is None
