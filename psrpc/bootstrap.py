@@ -22,6 +22,7 @@ from psrpc.layout import Layout
 from psrpc.pipeline import model_cuts, stage_shapes
 from psrpc.shard import ShardSpec, ShardStats
 from psrpc.topology import Topology
+from psrpc import process, shm
 from psrpc import shard as shard_module
 from psrpc.sparse.shard import TableShardSpec
 from psrpc.sparse.tables import find_tables
@@ -41,11 +42,12 @@ def bootstrap(cfg: Config, topo: Topology, worker_cls):
     restored = checkpoint.find_latest(cfg.checkpoint.dir)
     flats, states = initial_state(cfg, model, layout, restored)
     buffers = restored_buffers(cfg, model, restored)
-    shards = create_shards(cfg, topo, layouts, flats, states, restored)
+    shared = plan_shm(cfg, topo, layouts)
+    shards = create_shards(cfg, topo, layouts, flats, states, restored, shared)
     specs = [spec for t in find_tables(model) for spec in t.specs]
     tables = create_table_shards(cfg, topo, specs, layout.num_shards, restored) if specs else []
     plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers, tables,
-                specs, cfg.sparse.partition)
+                specs, cfg.sparse.partition, shared=shared)
     if specs:
         rows = sum(t.num_rows for t in specs)
         log.info("%d embedding table(s), %d rows × %s in all, on %d PS (%s partition, %s)",
@@ -113,8 +115,9 @@ def restored_buffers(cfg: Config, model, restored: Optional[checkpoint.Restored]
 
 
 def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, states,
-                  restored: Optional[checkpoint.Restored]) -> list[list]:
-    """One Shard per (stage, bucket) on its PS; Handles grouped by stage."""
+                  restored: Optional[checkpoint.Restored], shared: list) -> list[list]:
+    """One Shard per (stage, bucket) on its PS; Handles grouped by stage. `shared[g]`: shard
+    g's shared memory (see plan_shm), or None."""
     layout = Layout.concat(layouts)
     version = restored.step if restored else 0
     stats = _shard_stats(restored, layout)
@@ -124,10 +127,39 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
         name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
         spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
                          version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
-                         build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch), stats[g], name)
+                         build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
+                         stats[g], name, shared[g])
         specs.append((topo.ps_names[k], spec))
     shards = _create(specs)
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
+
+
+def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
+    """Per dense shard: (mode, run, ids of the workers on its PS's host) when some worker
+    shares its PS's host (psrpc/shm.py), else None; the segments are created here, before the
+    shards and workers map them. A worker's id in a shard's rounds is its index in data
+    parallel, its replica in model parallel (one stage worker per replica pushes a shard)."""
+    layout = Layout.concat(layouts)
+    hosts = dict(zip(topo.ps_names + topo.worker_names, comm.wait_all(
+        [comm.call(n, process.host_id) for n in topo.ps_names + topo.worker_names])))
+    run = topo.shm_run or shm.new_run()
+    stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
+    shared = []
+    for g, (k, numel) in enumerate(zip(layout.shard_ps, layout.shard_numel)):
+        ids = [r for r in range(topo.replicas)
+               if hosts[topo.stage_workers(r)[stage_of[g]]] == hosts[topo.ps_names[k]]]
+        mode = shm.mode(cfg, bool(ids))
+        if mode is None:
+            shared.append(None)
+            continue
+        shm.create(shm.segment(run, g, "params"), numel)
+        for w in ids:
+            shm.create(shm.segment(run, g, f"g{w}"), numel)
+        shared.append((mode, run, ids))
+    if any(shared):
+        log.info("shared memory with the PS on the same host: %d of %d shards (%s)",
+                 sum(1 for x in shared if x), len(shared), next(x for x in shared if x)[0])
+    return shared
 
 
 def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
@@ -143,7 +175,7 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
                              "another checkpoint.dir")
         restore = {"paths": saved["paths"], "partition": saved["partition"],
                    "num_ps": saved["num_ps"], "step": restored.step}
-    specs = []
+    built = []
     for k in range(topo.num_ps):
         spec = TableShardSpec(
             first + k, torch.empty(0), cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
@@ -151,8 +183,8 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
             cfg.checkpoint.every_steps, build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
             None, f"ps{k}/tables", ps=k, num_ps=topo.num_ps, tables=specs, seed=cfg.train.seed,
             sparse=cfg.sparse, restore=restore)
-        specs.append((topo.ps_names[k], spec))
-    return _create(specs)
+        built.append((topo.ps_names[k], spec))
+    return _create(built)
 
 
 def _create(specs: list[tuple[str, object]]) -> list:

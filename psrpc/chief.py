@@ -148,7 +148,8 @@ class Chief:
         model, layout = self.worker_model, self.plan.layout
         flats, states = initial_state(self.cfg, model, layout, restored)
         topo = replace(self.topo, epoch=epoch)  # fault.crash_* crash the first epoch only
-        shards = create_shards(self.cfg, topo, self.plan.layouts, flats, states, restored)
+        shards = create_shards(self.cfg, topo, self.plan.layouts, flats, states, restored,
+                               self.plan.shared)
         tables = (create_table_shards(self.cfg, topo, self.plan.table_specs, layout.num_shards,
                                       restored)
                   if self.plan.table_specs else [])

@@ -55,26 +55,28 @@ def _rendezvous(url: str, **kwargs):
                            agent_store=query["agent_store"] == "1")
     # torchrun's agent store outlives a restart of the group, and the store outlives a
     # membership epoch: a fresh key space for each
-    prefix = f"psrpc/attempt-{query['attempt']}/epoch-{query['epoch']}"
+    prefix = f"psrpc/attempt-{query['attempt']}/epoch-{query.get('epoch', '0')}"
     yield dist.PrefixStore(prefix, store), rank, world_size
     raise RuntimeError("psrpc's rendezvous runs once per init_rpc")  # as torch's tcp:// one
 
 
-_STORE: list = []  # this process's client (or server) of the rendezvous store, kept across epochs
+_STORES: dict = {}  # (host, port) -> this process's client (or server), kept across epochs
 
 
 def _process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
                    agent_store: bool):
-    """The rendezvous store, made once per process: torchrun's agent or the local launcher
-    hosts it (agent_store), else rank 0 does, on the address `host` resolves to."""
-    if not _STORE:
+    """The rendezvous store, made once per process and address: torchrun's agent or the local
+    launcher hosts it (agent_store), else rank 0 does, on the address `host` resolves to."""
+    key = (host, port)
+    if key not in _STORES:
         if agent_store or rank != 0:
-            _STORE.append(dist.TCPStore(host, port, world_size, False, timeout))
+            _STORES[key] = dist.TCPStore(host, port, world_size, False, timeout)
         else:
             listener = _bind(host, port)
-            _STORE.append(dist.TCPStore(host, port, world_size, True, timeout,
-                                        master_listen_fd=listener.detach()))
-    return _STORE[0]
+            _STORES[key] = dist.TCPStore(host, port, world_size, True, timeout,
+                                         master_listen_fd=listener.detach())
+        _STORES["current"] = _STORES[key]
+    return _STORES[key]
 
 
 def host_store(host: str, port: int, timeout_s: float):
@@ -87,7 +89,7 @@ def host_store(host: str, port: int, timeout_s: float):
 
 def store() -> Any:
     """This process's store (after `init`)."""
-    return _STORE[0]
+    return _STORES["current"]
 
 
 def _bind(host: str, port: int) -> socket.socket:

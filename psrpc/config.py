@@ -44,6 +44,9 @@ class ClusterConfig:
     """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
     port: Optional[int] = MISSING
     """Local launcher's rendezvous port; null: MASTER_PORT if set, else a free one."""
+    shm: str = MISSING
+    """auto/on: a worker and a PS on the same host exchange dense gradients (and, in sync
+    training, parameters) through shared memory; off: always TCP."""
     max_worker_restarts: int = MISSING
     """Local launcher: times each worker that dies is started again and rejoins the running
     job (data parallel; a new membership epoch, nobody restores a checkpoint); 0: lost."""
@@ -305,6 +308,7 @@ def validate(cfg: Config) -> None:
            c.worker_threads, "must be ≥ 1 or null (automatic)")
     _check(c.ps_threads >= 1, "cluster.ps_threads", c.ps_threads, "must be ≥ 1")
     _check(c.rpc_threads >= 2, "cluster.rpc_threads", c.rpc_threads, "must be ≥ 2")
+    _check(c.shm in ("auto", "on", "off"), "cluster.shm", c.shm, "must be auto, on or off")
     _check(c.max_worker_restarts >= 0, "cluster.max_worker_restarts", c.max_worker_restarts,
            "must be ≥ 0 (0: a worker that dies is lost)")
     _check(c.max_ps_restarts >= 0, "cluster.max_ps_restarts", c.max_ps_restarts,

@@ -8,28 +8,60 @@ its own storage; its pieces are copied (only tensors over `cluster.max_shard_byt
 Pushes overlap backward: a post-accumulate-grad hook per parameter tells the worker when a shard's
 gradient is complete (see `arm`).
 
-On CUDA the flat buffers live on the GPU and what crosses the wire goes through pinned CPU
-staging buffers with non_blocking copies (RPC carries CPU tensors only).
+With a PS on the same host (`cluster.shm`, psrpc/shm.py) a shard's gradient buffer is the
+worker's slot in shared memory (backward writes where the PS reads) and, in sync training with
+every worker in each round, its parameter buffer is a view of the master copy itself: no copy
+either way.
+
+On CUDA the flat buffers live on the GPU; what crosses to the PS goes through pinned CPU buffers
+(staging, or the shared slot and master copy, registered with CUDA) with non_blocking copies on a
+copy stream ordered by events, and a sender thread waits for each copy: backward never waits for
+a bucket's copy, and forward waits (on the GPU) only for the parameters it reads.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
 import torch
 from torch import nn
 
+from psrpc import shm as shm_mod
 from psrpc.layout import Layout
 
 
 class FlatModel:
     def __init__(self, model: nn.Module, layout: Layout, device: torch.device,
-                 wire_dtype: torch.dtype = torch.float32):
+                 wire_dtype: torch.dtype = torch.float32, shm: Optional[list] = None):
+        """`shm[k]`: None (shard k over TCP), or (mode, params segment, slot segment) with mode
+        "views" or "slots" (psrpc/shm.py)."""
         self.layout, self.device, self.wire_dtype = layout, device, wire_dtype
         named = dict(model.named_parameters())
         missing = set(layout.shapes) - set(named)
         if missing:
             raise ValueError(f"layout names parameters the model lacks: {sorted(missing)[:3]}")
-        self.params = [torch.zeros(n, device=device) for n in layout.shard_numel]
-        self.grads = [torch.zeros(n, device=device) for n in layout.shard_numel]
+        cuda = device.type == "cuda"
+        self.shm = list(shm) if shm is not None else [None] * layout.num_shards
+        self.params, self.grads = [], []
+        self._host: list[Optional[torch.Tensor]] = []  # CUDA: the shared slot, pinned
+        self._host_params: list[Optional[torch.Tensor]] = []  # CUDA: the shared master, pinned
+        self._view = [False] * layout.num_shards  # params[k] is the master copy itself
+        for k, n in enumerate(layout.shard_numel):
+            mode = self.shm[k]
+            slot = shm_mod.attach(mode[2], n) if mode else None
+            master = shm_mod.attach(mode[1], n) if mode and mode[0] == "views" else None
+            if cuda:
+                self.params.append(torch.zeros(n, device=device))
+                self.grads.append(torch.zeros(n, device=device))
+                self._host.append(_pinned(slot))
+                self._host_params.append(_pinned(master))
+            else:
+                self._view[k] = master is not None
+                self.params.append(master if master is not None else torch.zeros(n))
+                self.grads.append(slot if slot is not None else torch.zeros(n))
+                self._host.append(None)
+                self._host_params.append(None)
         self._split: list[tuple[nn.Parameter, object]] = []  # (param, piece), copied each step
         split = layout.split_names
         for p in layout.pieces:
@@ -38,8 +70,9 @@ class FlatModel:
                 self._split.append((param, p))
                 continue
             shape = layout.shapes[p.name]
-            with torch.no_grad():
-                self.params[p.shard][p.offset:p.offset + p.numel].copy_(param.reshape(-1))
+            if not self._view[p.shard]:  # never write into the master copy: it holds the truth
+                with torch.no_grad():
+                    self.params[p.shard][p.offset:p.offset + p.numel].copy_(param.reshape(-1))
             param.data = self.params[p.shard][p.offset:p.offset + p.numel].view(shape)
             param.grad = self.grads[p.shard][p.offset:p.offset + p.numel].view(shape)
         for param in {id(q): q for q, _ in self._split}.values():
@@ -58,10 +91,15 @@ class FlatModel:
         self._left: list[int] = []
         self._on_ready = None
         on_cpu_f32 = device.type == "cpu" and wire_dtype == torch.float32
-        pin = device.type == "cuda"
-        # Staging: what is pushed, when it cannot be the gradient buffer itself.
+        # Staging: what is pushed over TCP, when it cannot be the gradient buffer itself.
         self._staging = None if on_cpu_f32 else [
-            torch.empty(n, dtype=wire_dtype, pin_memory=pin) for n in layout.shard_numel]
+            None if self.shm[k] else torch.empty(n, dtype=wire_dtype, pin_memory=cuda)
+            for k, n in enumerate(layout.shard_numel)]
+        # CUDA: copies to and from the host on their own stream, a thread to wait for them
+        self._copy_stream = torch.cuda.Stream(device) if cuda else None
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="psrpc-d2h") if cuda else None
+        self._sends: list = []
+        self._params_ready: Optional[torch.cuda.Event] = None
 
     def arm(self, on_ready) -> None:
         """For the next backward: call `on_ready(shard)` as each shard's gradient completes."""
@@ -95,25 +133,96 @@ class FlatModel:
     def _piece(self, t: torch.Tensor, p) -> torch.Tensor:
         return (t if t.dim() == 0 else t[p.row_start:p.row_end]).reshape(-1)
 
-    def grad_to_send(self, shard: int) -> torch.Tensor:
-        """Shard `shard`'s gradient as a flat CPU tensor in the wire dtype."""
+    def _gather_split(self, shard: int) -> torch.Tensor:
+        """Shard `shard`'s gradient buffer, with the pieces of split tensors copied in."""
         g = self.grads[shard]
         for param, p in self._split:
             if p.shard == shard:
                 g[p.offset:p.offset + p.numel].copy_(self._piece(param.grad, p))
-        if self._staging is None:
-            return g  # not touched again before the reply arrives, so no copy is needed
-        out = self._staging[shard]
-        out.copy_(g, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return out
+        return g
+
+    def grad_to_send(self, shard: int):
+        """Shard `shard`'s gradient as a flat CPU tensor in the wire dtype, or shm.SLOT when
+        it is already in the shared slot the PS reads (waits for a CUDA copy)."""
+        out = []
+        self.send(shard, out.append)
+        self.flush()
+        return out[0]
+
+    def send(self, shard: int, deliver: Callable) -> None:
+        """Hand shard `shard`'s gradient to `deliver(tensor or shm.SLOT)` once it is on the host:
+        at once on the CPU; on CUDA from the sender thread, after a copy on the copy stream
+        that waits (on the GPU) for backward to have produced it: backward goes on meanwhile."""
+        g = self._gather_split(shard)
+        if self.device.type != "cuda":
+            if self.shm[shard]:
+                deliver(shm_mod.SLOT)  # backward wrote it into the slot
+            elif self._staging is None:
+                deliver(g)  # not touched again before the reply arrives: no copy needed
+            else:
+                out = self._staging[shard]
+                out.copy_(g)
+                deliver(out)
+            return
+        out = self._host[shard] if self.shm[shard] else self._staging[shard]
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(produced)
+            out.copy_(g, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        result = shm_mod.SLOT if self.shm[shard] else out
+        self._sends.append(self._sender.submit(lambda: (copied.synchronize(), deliver(result))))
+
+    def flush(self) -> None:
+        """Wait until every `send` has delivered."""
+        for fut in self._sends:
+            fut.result()
+        self._sends = []
 
     def load(self, shard: int, flat: torch.Tensor) -> None:
-        """Copy a shard's pulled parameters (CPU, wire dtype) into the model."""
+        """A shard's new parameters into the model: the reply's (CPU, wire dtype), or nothing
+        to do when the model's buffer is the master copy itself (shared memory); on CUDA from
+        the shared master copy, or the reply, on the copy stream (forward waits for it:
+        `ready`)."""
+        if self._view[shard]:
+            src = self.params[shard]
+        elif self._host_params[shard] is not None and flat.numel() == 0:
+            src = self._host_params[shard]
+        else:
+            src = flat
         dst = self.params[shard]
-        dst.copy_(flat, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            with torch.cuda.stream(self._copy_stream):
+                dst.copy_(src, non_blocking=True)
+                self._copy_pieces(shard, dst)
+                self._params_ready = torch.cuda.Event()
+                self._params_ready.record(self._copy_stream)
+            return
+        if src is not dst:
+            dst.copy_(src)
+        self._copy_pieces(shard, dst)
+
+    def _copy_pieces(self, shard: int, dst: torch.Tensor) -> None:
+        """The pieces of split tensors (their own storage) from shard `shard`'s buffer."""
         for param, p in self._split:
             if p.shard == shard:
                 with torch.no_grad():
                     self._piece(param.data, p).copy_(dst[p.offset:p.offset + p.numel])
+
+    def ready(self) -> None:
+        """Before forward: the compute stream waits for the parameters' copies (CUDA)."""
+        if self._params_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._params_ready)
+            self._params_ready = None
+
+
+def _pinned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A shared-memory tensor registered with CUDA as page-locked (so copies to and from the GPU
+    run asynchronously); None stays None."""
+    if t is not None and torch.cuda.is_available():
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:  # not pinned: copies are synchronous, still correct
+            pass
+    return t

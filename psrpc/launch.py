@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from psrpc import comm, env_defaults, membership, netif
+from psrpc import comm, env_defaults, membership, netif, shm
 from psrpc.config import Config, stages
 from psrpc.errors import ConfigError, PsrpcError
 from psrpc.topology import Topology
@@ -173,8 +173,16 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
     port = choose_port(cfg)
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=port, stages=stages(cfg),
-                    interface=local_interface(cfg))
+                    interface=local_interface(cfg), shm_run=shm.new_run())
     store = comm.host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
+    try:
+        return _attempts(cfg, topo, out_dir, worker_cls, store, timeout_s)
+    finally:
+        shm.remove(topo.shm_run)  # every rank is gone: its shared memory too
+
+
+def _attempts(cfg: Config, topo: Topology, out_dir: Path, worker_cls, store,
+              timeout_s: Optional[float]) -> list[str]:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     attempt = 0
     while True:
@@ -234,8 +242,10 @@ class _Cluster:
                     del running[name]
                     if p.exitcode == 0:
                         continue
-                    if p.exitcode < 0 and self._recover(name, p.exitcode):
-                        running[name] = self.procs[name]
+                    outcome = self._recover(name, p.exitcode) if p.exitcode < 0 else "failed"
+                    if outcome == "restarted":
+                        running[name] = self.procs[name]  # the new process
+                    if outcome != "failed":
                         continue
                     failed.append(name)
                 if failed:
@@ -248,9 +258,9 @@ class _Cluster:
             stop.restore()
             shutil.rmtree(self.errors, ignore_errors=True)
 
-    def _recover(self, name: str, exitcode: int) -> bool:
-        """A rank killed by a signal: start it again (a new membership epoch), count a worker
-        as lost, or end the attempt when the chief died. False: the run fails."""
+    def _recover(self, name: str, exitcode: int) -> str:
+        """A rank killed by a signal: "restarted" (a new membership epoch), "lost" (a worker the
+        others go on without), or "failed"; raises _ChiefDied when the chief died."""
         c, topo = self.cfg.cluster, self.topo
         if name == topo.chief_name:
             raise _ChiefDied(f"{name} died ({_describe(exitcode)})")
@@ -264,8 +274,8 @@ class _Cluster:
                 log.warning("%s died (%s); the others go on without it", name,
                             _describe(exitcode))
                 self.lost.append(name)
-                return True
-            return False
+                return "lost"
+            return "failed"
         self.restarts[name] = used + 1
         self.epoch += 1
         # What started the epoch, then the epoch itself: a rank reads them in that order.
@@ -277,7 +287,7 @@ class _Cluster:
         for other, p in self.procs.items():
             if other != name and p.exitcode is None:
                 os.kill(p.pid, signal.SIGUSR1)  # join the new epoch's group
-        return True
+        return "restarted"
 
 
 def _describe(exitcode: int) -> str:

@@ -208,6 +208,17 @@ def _run_worker(cfg: Config, topo: Topology, worker_cls) -> None:
     comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
 
 
+def host_id() -> str:
+    """Which machine this process runs on: two ranks with the same id share memory."""
+    import socket
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def local_shards() -> list[int]:
     """The indices of the shards this PS holds (a PS started again holds none)."""
     return sorted(comm.registered())

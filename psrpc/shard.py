@@ -19,12 +19,12 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 
-from psrpc import comm
+from psrpc import comm, shm
 from psrpc.config import WIRE_DTYPE_NAMES
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
@@ -36,6 +36,7 @@ from psrpc.updates import build_updater
 log = logging.getLogger(__name__)
 
 WIRE_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
+_NO_PARAMS = torch.empty(0)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ShardSpec:
     faults: Any = field(default_factory=NoFaults)
     stats: Optional[dict] = None  # counters carried over a restore
     name: str = ""  # for messages: "ps1", or "ps1/stage2" in model-parallel mode
+    shm: Optional[tuple] = None  # (mode, run, worker ids): shared memory with those workers
 
 
 @dataclass
@@ -118,8 +120,18 @@ class Shard:
         self.updater = build_updater(self, spec.update, spec.num_workers)  # needs all above
 
     def _init_state(self, spec: ShardSpec) -> None:
-        """The master copy and its optimizer (a dense shard: one flat tensor)."""
+        """The master copy and its optimizer (a dense shard: one flat tensor), in shared memory
+        with the workers on this host (their gradient slots too) when `spec.shm` says so."""
         self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
+        self.slots: dict[int, torch.Tensor] = {}
+        self.shm_mode = None
+        if spec.shm is not None:
+            self.shm_mode, run, ids = spec.shm
+            master = shm.attach(shm.segment(run, self.index, "params"), self.params.numel())
+            master.copy_(self.params)
+            self.params = master
+            self.slots = {w: shm.attach(shm.segment(run, self.index, f"g{w}"), master.numel())
+                          for w in ids}
         self.optimizer = build_optimizer([self.params], spec.optim)
         if spec.optim_state is not None:  # through load_state_dict: it casts and places it
             restored = self.optimizer.state_dict()
@@ -141,10 +153,16 @@ class Shard:
             self._check(worker, version, grad, loss, samples, ticket)
         except PushRejected as e:
             return comm.failed(e)
+        viewer = isinstance(grad, str)  # shm.SLOT: the gradient is in the worker's slot
+        if viewer:
+            grad = self.slots[worker]
         try:
             finite = math.isfinite(loss) and self._finite(grad)
-            return self.updater.push(worker, version, grad if finite else None, loss, samples,
-                                     ticket)
+            future = self.updater.push(worker, version, grad if finite else None, loss, samples,
+                                       ticket)
+            if viewer and self.shm_mode == "views":  # it reads the master copy itself
+                return future.then(lambda f: replace(f.value(), params=_NO_PARAMS))
+            return future
         finally:
             # unlocked: a rare lost increment between RPC threads only blurs a measurement
             self.stats.busy_s += time.perf_counter() - t0
@@ -366,8 +384,14 @@ class Shard:
                                "shard takes no tickets (only bounded async does)")
 
     def _check_payload(self, worker: int, grad) -> None:
-        """A dense shard's gradient: one flat CPU tensor of its length, in the wire dtype."""
+        """A dense shard's gradient: one flat CPU tensor of its length, in the wire dtype; or
+        shm.SLOT from a worker that has a slot here."""
         name = self.name
+        if isinstance(grad, str):
+            if grad != shm.SLOT or worker not in self.slots:
+                raise PushRejected(f"{name}: worker{worker} pushed {grad!r}, but it has no "
+                                   "shared-memory slot on this shard")
+            return
         if not isinstance(grad, torch.Tensor):
             raise PushRejected(f"{name}: worker{worker} pushed a {type(grad).__name__}, "
                                "expected a flat tensor")

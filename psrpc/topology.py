@@ -50,6 +50,8 @@ class Topology:
     local launcher's workers rejoining, a PS recovering); 0 at start."""
     submitit: bool = False
     """Started by Hydra's submitit launcher: this process runs its rank of one job of a sweep."""
+    shm_run: Optional[str] = None
+    """The local launcher's name for this run's shared-memory segments (it removes them)."""
 
     @property
     def world_size(self) -> int:
@@ -92,7 +94,7 @@ class Topology:
         launcher hosts the store), joining at membership epoch `epoch`."""
         return Topology(self.num_ps, self.num_workers, rank, self.master_addr, self.master_port,
                         rank, self.world_size, stages=self.stages, interface=self.interface,
-                        agent_store=True, epoch=epoch)
+                        agent_store=True, epoch=epoch, shm_run=self.shm_run)
 
     # -- questions the rest of psrpc asks -----------------------------------------------------
     def role_of(self, rank: int) -> tuple[str, int]:

@@ -52,6 +52,24 @@ class Plan:
     table_specs: list = field(default_factory=list)  # TableSpec of every embedding table
     partition: str = "mod"  # sparse.partition
     rolled_back_to: Optional[int] = None  # a new membership epoch that restored a checkpoint
+    shared: list = field(default_factory=list)  # per dense shard: shared memory (bootstrap)
+
+    def shm_for(self, stage: int, worker: int) -> list:
+        """For FlatModel: per shard of `stage`, (mode, params segment, slot segment) when
+        `worker` (its id in the shard's rounds) shares that shard's memory, else None."""
+        from psrpc import shm
+
+        first = sum(lay.num_shards for lay in self.layouts[:stage])
+        out = []
+        for k in range(self.layouts[stage].num_shards):
+            entry = self.shared[first + k] if self.shared else None
+            if entry is None or worker not in entry[2]:
+                out.append(None)
+                continue
+            mode, run, _ = entry
+            out.append((mode, shm.segment(run, first + k, "params"),
+                        shm.segment(run, first + k, f"g{worker}")))
+        return out
 
     @property
     def layout(self) -> Layout:
@@ -239,7 +257,7 @@ class Worker(Replica):
         self.model = (model or self.build_model(cfg, self.data)).to(self.device)
         load_buffers(self.model, plan.buffers)
         self.flat = FlatModel(self.model, plan.layouts[0], self.device,
-                              WIRE_DTYPES[cfg.update.wire_dtype])
+                              WIRE_DTYPES[cfg.update.wire_dtype], plan.shm_for(0, self.index))
         self.client = ShardClient(plan.shards[0], self.index)
         # Embedding tables live on the PS: the model's look their rows up there.
         self.tables = find_tables(self.model)
@@ -283,14 +301,15 @@ class Worker(Replica):
         over; otherwise it was too stale)."""
         x, y = self.batches.get(step)
         self.flat.zero_grad()
+        self.flat.ready()
         loss = self.forward_loss(self.model, x, y)
         value = loss.item()
         futures: list = [None] * len(versions)
         ticket = None
 
-        def push(k: int) -> None:
-            futures[k] = self.client.push_one(k, versions[k], self.flat.grad_to_send(k), value,
-                                              self.batch, ticket)
+        def push(k: int) -> None:  # once shard k's gradient is on the host (at once on CPU)
+            self.flat.send(k, lambda g: futures.__setitem__(
+                k, self.client.push_one(k, versions[k], g, value, self.batch, ticket)))
 
         # Every gradient is needed before the first push for a NaN injection, the clock's
         # ticket (bounded staleness) and clipping by norm; otherwise shards go out as backward
@@ -321,6 +340,7 @@ class Worker(Replica):
             ticket = admitted.seq
         for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
+        self.flat.flush()
         if self.rows is not None:  # every table shard, after backward has reached the tables
             futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
                                             ticket)

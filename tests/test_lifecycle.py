@@ -109,7 +109,7 @@ def test_sigterm_with_a_lost_worker_still_commits_the_final_checkpoint_at_once(t
     ck, out = tmp_path / "ck", tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "psrpc", "update=async", "update.timeout_s=60",
-         "train.steps=1000000", "fault.crash_role=worker", "fault.crash_index=1",
+         "cluster.max_worker_restarts=0", "train.steps=1000000", "fault.crash_role=worker", "fault.crash_index=1",
          "fault.crash_at_step=3", f"checkpoint.dir={ck}", "checkpoint.every_steps=50",
          f"out_dir={out}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
