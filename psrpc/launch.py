@@ -183,7 +183,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
 
 def _attempts(cfg: Config, topo: Topology, out_dir: Path, worker_cls, store,
               timeout_s: Optional[float]) -> list[str]:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else (time.monotonic() + timeout_s, timeout_s)
     attempt = 0
     while True:
         cluster = _Cluster(cfg, topo, out_dir, worker_cls, store, attempt, deadline)
@@ -233,8 +233,9 @@ class _Cluster:
             running = dict(self.procs)
             while running:
                 stop.check()
-                if self.deadline is not None and time.monotonic() > self.deadline:
-                    raise ClusterFailed("the run did not finish within its time limit; stopped it")
+                if self.deadline is not None and time.monotonic() > self.deadline[0]:
+                    raise ClusterFailed(f"the run did not finish within {self.deadline[1]:g} s "
+                                        "(its time limit); stopped every process")
                 failed = []
                 for name, p in list(running.items()):
                     if p.exitcode is None:

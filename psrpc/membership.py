@@ -67,8 +67,19 @@ def changing() -> bool:
 
 def wait_change(timeout_s: float) -> bool:
     """Whether a change is announced within `timeout_s` (an RPC failing because a peer left the
-    old group can come just before the signal does)."""
-    return _CHANGE.wait(timeout_s)
+    old group can come before the signal does): the signal, or the store's latest epoch."""
+    deadline = time.monotonic() + timeout_s
+    while not _CHANGE.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        try:
+            key = epoch_key(_STATE["attempt"])
+            if comm.store().check([key]) and announced() > current():
+                _CHANGE.set()
+                break
+        except Exception:  # no store (torchrun without the local launcher): the signal only
+            pass
+        if time.monotonic() >= deadline:
+            return False
+    return True
 
 
 def current() -> int:

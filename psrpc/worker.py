@@ -383,9 +383,14 @@ class Worker(Replica):
         replies = self.client.pull()
         versions = self.load(replies)
         self.finished = False
+        broken = False  # an RPC failed: a peer left the old group
         while not replies[0].finished:
-            if membership.changing():
-                replies, versions = self.rejoin()
+            if broken or membership.changing():
+                try:
+                    replies, versions = self.rejoin()
+                    broken = False
+                except Exception as e:  # the epoch changed again while joining
+                    _await_change(e)
                 continue
             t0 = time.perf_counter()
             step = self.data_step(versions[0])
@@ -399,10 +404,9 @@ class Worker(Replica):
                     versions = self.load(replies)
                     continue
                 replies = self.receive(futures)
-            except Exception:
-                if not membership.wait_change(MEMBERSHIP_GRACE_S):
-                    raise
-                replies, versions = self.rejoin()
+            except Exception as e:
+                _await_change(e)
+                broken = True
                 continue
             self.next_data_step()
             t2 = time.perf_counter()
@@ -416,7 +420,16 @@ class Worker(Replica):
                 break
 
 
-MEMBERSHIP_GRACE_S = 3.0  # an RPC failed: how long to wait for the launcher's announcement
+MEMBERSHIP_GRACE_S = 10.0  # an RPC failed: how long to wait for the launcher's announcement
+
+
+def _await_change(error: Exception) -> None:
+    """An RPC failed: it is a membership change (a peer left the old group) when one is
+    announced within MEMBERSHIP_GRACE_S; otherwise the error stands."""
+    if not membership.wait_change(MEMBERSHIP_GRACE_S):
+        raise error
+    log.info("an RPC failed during a membership change (%s); joining the new group",
+             _first_line(error))
 
 
 class _Grad:
