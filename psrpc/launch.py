@@ -16,7 +16,6 @@ multirun job still gets fresh processes with no RPC state. The parent waits, and
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +26,6 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import replace
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -90,18 +88,34 @@ def local_interface(cfg: Config) -> str:
     return loopback
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (the forkserver) exits; no orphans even if
-    the launcher itself is killed with SIGKILL."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+LAUNCHER_WATCH_S = 0.5  # how often a rank checks that its launcher is still there
 
 
-def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cls) -> None:
-    """Entry of one rank's process."""
-    _die_with_parent()
+def _die_with_launcher(pid: int, created: float) -> None:
+    """Leave at once when the launcher is gone (even killed with SIGKILL): no rank trains on as
+    an orphan. The ranks' parent is multiprocessing's forkserver, which itself stays until every
+    rank has left, so the parent-death signal cannot do this; a thread watches the launcher's
+    pid (and its start time, so a reused pid does not count)."""
+    import psutil
+
+    def watch():
+        while True:
+            time.sleep(LAUNCHER_WATCH_S)
+            try:
+                alive = psutil.Process(pid).create_time() == created
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                log.error("the launcher (pid %d) is gone; leaving", pid)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="psrpc-launcher-watch", daemon=True).start()
+
+
+def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cls,
+           launcher: tuple[int, float]) -> None:
+    """Entry of one rank's process (`launcher`: the launcher's pid and start time)."""
+    _die_with_launcher(*launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
     from psrpc.process import run_rank
 
@@ -199,6 +213,12 @@ def _attempts(cfg: Config, topo: Topology, out_dir: Path, worker_cls, store,
                         "checkpoint (restart %d of %d)", e, attempt, cfg.cluster.max_ps_restarts)
 
 
+def _this_process() -> tuple[int, float]:
+    import psutil
+
+    return os.getpid(), psutil.Process().create_time()
+
+
 class _ChiefDied(ClusterFailed):
     """The chief died: its session is gone, the whole group starts again from a checkpoint."""
 
@@ -222,7 +242,7 @@ class _Cluster:
         topo = replace(self.topo.with_rank(rank, self.epoch), restart_count=self.attempt)
         self.procs[name] = self.ctx.Process(target=_child, name=name, daemon=False, args=(
             self.cfg, topo, str(self.out_dir), str(self.errors / f"{name}.err"),
-            self.worker_cls))
+            self.worker_cls, _this_process()))
         self.procs[name].start()
 
     def run(self) -> list[str]:
