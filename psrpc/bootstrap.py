@@ -136,15 +136,15 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
 
 def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
     """Per dense shard: (mode, run, ids of the workers on its PS's host) when some worker
-    shares its PS's host (psrpc/shm.py), else None; the segments are created here, before the
-    shards and workers map them. A worker's id in a shard's rounds is its index in data
+    shares its PS's host (psrpc/shm.py), else None; each PS creates its shards' segments, before
+    the shards and workers map them. A worker's id in a shard's rounds is its index in data
     parallel, its replica in model parallel (one stage worker per replica pushes a shard)."""
     layout = Layout.concat(layouts)
     hosts = dict(zip(topo.ps_names + topo.worker_names, comm.wait_all(
         [comm.call(n, process.host_id) for n in topo.ps_names + topo.worker_names])))
     run = topo.shm_run or shm.new_run()
     stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
-    shared = []
+    shared, segments = [], {}
     for g, (k, numel) in enumerate(zip(layout.shard_ps, layout.shard_numel)):
         ids = [r for r in range(topo.replicas)
                if hosts[topo.stage_workers(r)[stage_of[g]]] == hosts[topo.ps_names[k]]]
@@ -152,10 +152,13 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
         if mode is None:
             shared.append(None)
             continue
-        shm.create(shm.segment(run, g, "params"), numel)
-        for w in ids:
-            shm.create(shm.segment(run, g, f"g{w}"), numel)
+        segments.setdefault(topo.ps_names[k], []).extend(
+            [(shm.segment(run, g, "params"), numel)]
+            + [(shm.segment(run, g, f"g{w}"), numel) for w in ids])
         shared.append((mode, run, ids))
+    # On the PS's host (which may not be the chief's): the PS removes them when it leaves.
+    comm.wait_all([comm.call(ps, process.create_segments, (segs,))
+                   for ps, segs in segments.items()])
     if any(shared):
         log.info("shared memory with the PS on the same host: %d of %d shards (%s)",
                  sum(1 for x in shared if x), len(shared), next(x for x in shared if x)[0])

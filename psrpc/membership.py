@@ -67,16 +67,24 @@ def changing() -> bool:
 
 def wait_change(timeout_s: float) -> bool:
     """Whether a change is announced within `timeout_s` (an RPC failing because a peer left the
-    old group can come before the signal does): the signal, or the store's latest epoch."""
+    old group can come before the signal does): the signal, or the store's latest epoch. False
+    at once where nobody announces epochs (torchrun restarts the whole group instead)."""
+    if _CHANGE.is_set():
+        return True
+    key = epoch_key(_STATE["attempt"])
+    try:
+        if not comm.store().check([key]):
+            return False
+    except Exception:  # no store to ask
+        return False
     deadline = time.monotonic() + timeout_s
     while not _CHANGE.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
         try:
-            key = epoch_key(_STATE["attempt"])
-            if comm.store().check([key]) and announced() > current():
+            if announced() > current():
                 _CHANGE.set()
                 break
-        except Exception:  # no store (torchrun without the local launcher): the signal only
-            pass
+        except Exception:  # the store went away with the launcher
+            return False
         if time.monotonic() >= deadline:
             return False
     return True

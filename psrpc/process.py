@@ -155,6 +155,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
             graceful = _wait_for_stop(topo)
     finally:
         comm.shutdown(graceful=graceful)
+        remove_segments()  # the workers are gone or leaving: a mapped segment stays mapped
 
 
 def replica_class(parallel: str):
@@ -217,6 +218,27 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+_SEGMENTS: list[str] = []  # the shared-memory segments this PS created
+
+
+def create_segments(segments: list[tuple[str, int]]) -> None:
+    """Called by the chief on a PS: create its shards' shared-memory segments (name, elements);
+    this PS removes them when it leaves (psrpc/shm.py)."""
+    from psrpc import shm
+
+    for name, numel in segments:
+        shm.create(name, numel)
+        _SEGMENTS.append(name)
+
+
+def remove_segments() -> None:
+    from psrpc import shm
+
+    for name in _SEGMENTS:
+        shm.unlink(name)
+    _SEGMENTS.clear()
 
 
 def local_shards() -> list[int]:

@@ -16,10 +16,10 @@ them). With backup workers or async updates the master copy can change while a w
 so its parameters come in the reply, a snapshot, as over TCP.
 
 The segments are files under /dev/shm named after the run (`psrpc-<id>-...`), created by the
-chief before the shards exist and registered with multiprocessing's resource tracker, which
-removes them if every process of the run is killed; the local launcher removes them at the end
-of the run, and the chief does under torchrun. A PS or worker started again (a membership epoch)
-maps the same files.
+PS that holds the shard (asked by the chief, before the shards exist) and registered with
+multiprocessing's resource tracker, which removes them if the process is killed. The PS removes
+them when it leaves, and the local launcher removes whatever is left of the run at its end. A
+PS or worker started again (a membership epoch) maps the same files.
 """
 
 from __future__ import annotations
@@ -74,21 +74,24 @@ def attach(name: str, numel: int) -> torch.Tensor:
     return torch.from_file(str(SHM_DIR / name), shared=True, size=numel, dtype=torch.float32)
 
 
+def unlink(name: str) -> bool:
+    """Delete one segment (processes that map it keep their mapping); whether it was there."""
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        return False
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister("/" + name, "shared_memory")
+    except Exception:
+        pass
+    return True
+
+
 def remove(run: str) -> int:
     """Delete every segment of `run`; returns how many there were."""
-    paths = glob.glob(str(SHM_DIR / f"psrpc-{run}-*"))
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        try:
-            from multiprocessing import resource_tracker
-
-            resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
-        except Exception:
-            pass
-    return len(paths)
+    return sum(unlink(os.path.basename(p)) for p in glob.glob(str(SHM_DIR / f"psrpc-{run}-*")))
 
 
 def mode(cfg, same_host: bool) -> Optional[str]:

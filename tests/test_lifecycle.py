@@ -207,9 +207,13 @@ def test_second_signal_to_the_launcher_kills_every_child_at_once():
 
 
 def _rank_pids(root: int) -> dict[int, int]:
+    """{RANK: pid} of the processes torchrun started (not their own children, such as a PS's
+    resource tracker, which inherit RANK too)."""
     pids = {}
     for pid in _descendants(root):
         try:
+            if not Path(f"/proc/{pid}/comm").read_text().startswith("psrpc-"):
+                continue
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
