@@ -380,17 +380,21 @@ class Worker(Replica):
         it returns True to end training at once. A membership change (a rank started again)
         is met at the next step, or by the RPC that the old group's end broke: the step is
         done again in the new epoch."""
-        replies = self.client.pull()
-        versions = self.load(replies)
         self.finished = False
+        replies: Optional[list[Reply]] = None  # none yet: pull first
         broken = False  # an RPC failed: a peer left the old group
-        while not replies[0].finished:
-            if broken or membership.changing():
-                try:
-                    replies, versions = self.rejoin()
+        while replies is None or not replies[0].finished:
+            if replies is None or broken or membership.changing():
+                try:  # (the first pull too: a rank can be started again before it)
+                    if broken or membership.changing():
+                        replies, versions = self.rejoin()
+                    else:
+                        replies = self.client.pull()
+                        versions = self.load(replies)
                     broken = False
-                except Exception as e:  # the epoch changed again while joining
+                except Exception as e:
                     _await_change(e)
+                    broken = True
                 continue
             t0 = time.perf_counter()
             step = self.data_step(versions[0])

@@ -1,5 +1,5 @@
-"""The CUDA path (workers on cuda:{LOCAL_RANK % n}, pinned staging, CPU tensors over RPC, shards
-on CPU): a run with CUDA workers ends where the same config ends with CPU workers, within the
+"""The CUDA path (workers on cuda:{LOCAL_RANK % n}, shared-memory slots registered with CUDA or
+pinned staging, CPU tensors over RPC, shards on CPU): a run with CUDA workers ends where the same config ends with CPU workers, within the
 tolerances below, with TF32 off on both (train.tf32=false: full float32 on the GPU too).
 
 The `gpu` tests skip without CUDA; `pytest -m gpu` runs them on a machine that has it, and
@@ -28,7 +28,10 @@ F32_TOL = dict(rtol=1e-3, atol=1e-4)
 LOOSE_TOL = dict(rtol=1e-2, atol=1e-3)
 CASES = {
     # cnn's 8 tensors in ~64 KiB buckets: several shards, each pushed while backward goes on
+    # (shared memory with the PS: the default on one host; views in sync, slots in async)
     "buckets": (["model=cnn", "cluster.num_ps=2", "cluster.bucket_bytes=65536"], F32_TOL),
+    "buckets_tcp": (["model=cnn", "cluster.num_ps=2", "cluster.bucket_bytes=65536",
+                     "cluster.shm=off"], F32_TOL),  # pinned staging buffers instead
     "bf16_wire": (["model=cnn", "update.wire_dtype=bfloat16"], LOOSE_TOL),
     "model_parallel": (["parallel=model", "model=cnn", "cluster.num_workers=2"], F32_TOL),
     "resnet18_batchnorm": (["model=resnet18", "data.image_shape=[3,32,32]", "train.steps=5",
