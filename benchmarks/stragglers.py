@@ -33,11 +33,14 @@ def base(b) -> list[str]:
 def measure(b, system: str, slow_s: float) -> float:
     if system == "ddp":
         return ddp(psrpc_config(base(b)), slow_s=slow_s, slow_rank=0)["samples_per_s"]
+    tcp = system.endswith("_tcp")  # the same mode with cluster.shm=off
+    system = system[:-len("_tcp")] if tcp else system
     per_push = system in ("psrpc_async", "psrpc_bounded")  # a global step is one push
     steps = b.steps * (b.workers if per_push else 1)
     warm = b.warmup * (b.workers if per_push else 1)
     fault = ["fault.slow_worker=0", f"fault.slow_s={slow_s}"] if slow_s else []
     return run_psrpc(base(b) + MODES[system](b) + fault + list(b.psrpc) + [
+        "cluster.shm=off" if tcp else "cluster.shm=on",
         f"train.steps={steps}", f"train.warmup_steps={warm}", f"train.log_every={steps}",
         "update.timeout_s=600"])["samples_per_s"]
 

@@ -1,5 +1,6 @@
-"""Throughput: psrpc (sync, async) vs torch DDP over gloo vs single-process training, same model,
-batch, data and threads, in one invocation; reports samples/s and the ratios.
+"""Throughput: psrpc (sync, async; shared memory with the PS, and `_tcp`: cluster.shm=off) vs
+torch DDP over gloo vs single-process training, same model, batch, data and threads, in one
+invocation; reports samples/s and the ratios.
 
     python -m benchmarks.throughput [models=[resnet18] workers=[2] repeats=3]
 """
@@ -22,10 +23,10 @@ def common_overrides(b, model: str, workers: int) -> list[str]:
 
 
 def measure(system: str, overrides: list[str], extra: list[str]) -> float:
-    if system == "psrpc_sync":
-        return run_psrpc(overrides + ["update=sync"] + extra)["samples_per_s"]
-    if system == "psrpc_async":
-        return run_psrpc(overrides + ["update=async"] + extra)["samples_per_s"]
+    if system.startswith("psrpc_"):
+        update, _, transport = system[len("psrpc_"):].partition("_")
+        shm = ["cluster.shm=off"] if transport == "tcp" else ["cluster.shm=on"]
+        return run_psrpc(overrides + [f"update={update}"] + shm + extra)["samples_per_s"]
     cfg = psrpc_config(overrides)
     if system == "ddp":
         return ddp(cfg)["samples_per_s"]
