@@ -58,8 +58,11 @@ def create(name: str, numel: int) -> None:
     """A zero-filled float32 segment of `numel` elements; removed by the resource tracker if
     every process that could remove it is killed."""
     path = SHM_DIR / name
-    with open(path, "wb") as f:
-        f.truncate(numel * 4)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)  # this user's ranks only
+    try:
+        os.ftruncate(fd, numel * 4)
+    finally:
+        os.close(fd)
     try:
         from multiprocessing import resource_tracker
 

@@ -93,6 +93,7 @@ def _only_loopback(listens: dict) -> None:
     assert not any(exposed.values()), f"listening beyond loopback: {exposed}"
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_give_the_local_launchers_model(tmp_path):
     """Two torchrun agents (--nnodes=2, c10d rendezvous on 127.0.0.1), two ranks each: 1 PS and
     3 workers, the PS and a worker on one node, two workers on the other. The model equals the

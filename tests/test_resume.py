@@ -28,6 +28,7 @@ def test_40_then_60_equals_60_uninterrupted(tmp_path, mode):
     assert_same_model(second[1], whole[1])
 
 
+@pytest.mark.slow
 def test_resnet18_40_then_60_equals_60_bit_for_bit_buffers_included(tmp_path):
     """BatchNorm running statistics are state: the checkpoint carries the chief's at the saved
     step and every replica gets them back, so the resumed model.pt is the uninterrupted one,
