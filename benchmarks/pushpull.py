@@ -65,9 +65,19 @@ class PushPullProbe(Worker):
         after_step(replies[0], 0.0, 0.0)
 
 
-def in_process_seconds(numel: int, rounds: int) -> float:
+def in_process_seconds(numel: int, rounds: int, threads: int) -> float:
     """The same work in one process: the gradient copied into a buffer, SGD with momentum (the
-    fused kernel, as on the PS), the parameters copied back into the model's buffer."""
+    fused kernel, as on the PS), the parameters copied back into the model's buffer; on
+    `threads` threads, as many as the PS's optimizer gets (cluster.ps_threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _in_process(numel, rounds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _in_process(numel: int, rounds: int) -> float:
     from types import SimpleNamespace
 
     from psrpc.optim import build_optimizer
@@ -105,7 +115,8 @@ def main(argv: list[str]) -> None:
     b = bench_config("pushpull", argv)
     meta = header()
     rows = []
-    for size, transport, wire in itertools.product(b.sizes_mb, b.transports, b.wire_dtypes):
+    for threads, size, transport, wire in itertools.product(b.threads, b.sizes_mb, b.transports,
+                                                            b.wire_dtypes):
         width = int(size * 2**20 / 4 / 8)  # × 8 classes = the probed number of floats
         s = run_psrpc(["cluster.num_workers=1", f"cluster.bucket_bytes={b.bucket_bytes}",
                        "optim.momentum=0.9", "cluster.shm=" + ("on" if transport == "shm"
@@ -113,14 +124,15 @@ def main(argv: list[str]) -> None:
                        f"update.wire_dtype={wire}", f"train.steps={b.warmup + b.rounds}",
                        f"train.warmup_steps={b.warmup}", f"data.image_shape=[1,1,{width}]",
                        "data.num_classes=8", "data.size=2", "data.test_size=0",
-                       "train.log_every=1000000"] + list(b.psrpc), worker_cls=PushPullProbe)
+                       "train.log_every=1000000", f"cluster.ps_threads={threads}"]
+                      + list(b.psrpc), worker_cls=PushPullProbe)
         w = s["workers"]["0"]
         nbytes = size * 2**20
         wire_bytes = nbytes // (1 if wire == "float32" else 2)
         pp_s, raw_s = w["push_s"], w["compute_s"]
         cp_s = copy_seconds(int(nbytes / 4), b.rounds)
-        ip_s = in_process_seconds(int(nbytes / 4), b.rounds)
-        row = {"size_mb": size, "transport": transport, "wire": wire,
+        ip_s = in_process_seconds(int(nbytes / 4), b.rounds, threads)
+        row = {"threads": threads, "size_mb": size, "transport": transport, "wire": wire,
                "push_pull_ms": round(pp_s * 1e3, 2), "in_process_ms": round(ip_s * 1e3, 2),
                "push_pull_vs_in_process": round(pp_s / ip_s, 2),
                "raw_rpc_ms": round(raw_s * 1e3, 2), "copy_ms": round(cp_s * 1e3, 2),
@@ -131,34 +143,40 @@ def main(argv: list[str]) -> None:
         rows.append(row)
         print(row, flush=True)
     write_results(ROOT / b.out, meta, rows,
-                  ["size_mb", "transport", "wire", "push_pull_ms", "in_process_ms",
+                  ["threads", "size_mb", "transport", "wire", "push_pull_ms", "in_process_ms",
                    "push_pull_vs_in_process", "raw_rpc_ms", "copy_ms", "push_pull_gbps",
                    "raw_rpc_gbps", "push_pull_vs_raw"],
                   "push_pull microbenchmark", plot,
                   notes="push_pull: the gradient into the worker's push buffer, to the PS, SGD "
                         "with momentum there, fresh parameters into the model (shm: the PS on "
                         "this host through shared memory; tcp: cluster.shm=off). in_process: the "
-                        "same copy, step and copy back in one process. raw: `rpc_sync` echoing a "
+                        "same copy, step and copy back in one process, on as many threads as the PS "
+                        "(threads = cluster.ps_threads). raw: `rpc_sync` echoing a "
                         "tensor of the same bytes between the same two processes. copy: "
                         "in-process `copy_` there and back. GB/s: bytes there and back / time.")
 
 
 def plot(plt, rows):
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     first = [r for r in rows if r["wire"] == rows[0]["wire"]]
-    for transport in dict.fromkeys(r["transport"] for r in first):
-        rs = [r for r in first if r["transport"] == transport]
-        ax.plot([r["size_mb"] for r in rs], [r["push_pull_ms"] for r in rs], "o-",
-                label=f"psrpc push_pull ({transport})")
-    rs = [r for r in first if r["transport"] == first[0]["transport"]]
-    for key, label in [("in_process_ms", "same work in one process"),
-                       ("raw_rpc_ms", "raw rpc_sync, same bytes")]:
-        ax.plot([r["size_mb"] for r in rs], [r[key] for r in rs], "o--", label=label)
+    for threads in dict.fromkeys(r["threads"] for r in first):
+        mine = [r for r in first if r["threads"] == threads]
+        for transport in dict.fromkeys(r["transport"] for r in mine):
+            rs = [r for r in mine if r["transport"] == transport]
+            ax.plot([r["size_mb"] for r in rs], [r["push_pull_ms"] for r in rs], "o-",
+                    label=f"push_pull, {transport}, {threads} thread(s)")
+        rs = [r for r in mine if r["transport"] == mine[0]["transport"]]
+        ax.plot([r["size_mb"] for r in rs], [r["in_process_ms"] for r in rs], "s--",
+                label=f"same work in one process, {threads} thread(s)")
+    rs = [r for r in first if r["threads"] == first[0]["threads"]
+          and r["transport"] == first[0]["transport"]]
+    ax.plot([r["size_mb"] for r in rs], [r["raw_rpc_ms"] for r in rs], "x:",
+            label="raw rpc_sync, same bytes")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("MB of parameters")
     ax.set_ylabel("ms per round")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return fig
 
 
