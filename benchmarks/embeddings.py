@@ -66,23 +66,11 @@ def _ddp_rank(rank: int, world: int, port: int, cfg, sparse: bool, threads: int,
 
 
 def ddp(cfg, sparse: bool) -> dict:
-    from benchmarks.peers import _free_port
-    from psrpc.launch import process_context
+    from benchmarks.peers import run_ranks
 
     world = cfg.cluster.num_workers
-    ctx = process_context()
-    out = ctx.SimpleQueue()
-    port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // world)
-    procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, cfg, sparse, threads, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(3600)
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"DDP peer failed: exit codes {[p.exitcode for p in procs]}")
-    return out.get()
+    return run_ranks(_ddp_rank, world, cfg, sparse, threads)
 
 
 def main(argv: list[str]) -> None:

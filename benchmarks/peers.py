@@ -115,15 +115,21 @@ def ddp(cfg: Config, slow_s: float = 0.0, slow_rank: Optional[int] = None,
         eval_every: int = 0, target: Optional[float] = None) -> dict:
     """torch DDP over gloo, W = cluster.num_workers processes of batch B, cores / W threads.
     With `target`, stops once rank 0's test accuracy reaches it (checked every `eval_every`)."""
-    from psrpc.launch import process_context
-
     world = cfg.cluster.num_workers
     threads = cfg.cluster.worker_threads or max(1, (os.cpu_count() or 1) // world)
-    ctx = process_context()  # the forkserver psrpc's own processes come from: same start-up
+    return run_ranks(_ddp_rank, world, cfg, threads, slow_s, slow_rank, eval_every, target)
+
+
+def run_ranks(rank_fn, world: int, *args) -> dict:
+    """Start `world` processes `rank_fn(rank, world, port, *args, out)` from the forkserver
+    psrpc's own processes come from (the same start-up), wait for them, and return what rank 0
+    put in `out`."""
+    from psrpc.launch import process_context
+
+    ctx = process_context()
     out = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, cfg, threads, slow_s, slow_rank,
-                                                 eval_every, target, out))
+    procs = [ctx.Process(target=rank_fn, args=(r, world, port, *args, out))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -25,9 +25,17 @@ FAST = ["train.steps=20", "train.batch_size=16", "train.log_every=10", "train.wa
 CPU = "train.device=cpu"
 
 
+# PSRPC_TEST_SHM=off pytest: every cluster a test composes goes over TCP instead of shared
+# memory (unless the test chooses cluster.shm itself): the contracts hold both ways.
+SHM = os.environ.get("PSRPC_TEST_SHM")
+
+
 def on_cpu(overrides) -> list[str]:
-    """`overrides`, plus train.device=cpu unless they choose a device."""
+    """`overrides`, plus train.device=cpu unless they choose a device (and cluster.shm when
+    PSRPC_TEST_SHM says)."""
     overrides = list(overrides)
+    if SHM and not any(o.startswith("cluster.shm=") for o in overrides):
+        overrides.append(f"cluster.shm={SHM}")
     return overrides if any(o.startswith("train.device=") for o in overrides) else overrides + [CPU]
 
 
