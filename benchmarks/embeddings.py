@@ -75,6 +75,9 @@ def ddp(cfg, sparse: bool) -> dict:
 
 def main(argv: list[str]) -> None:
     b = bench_config("embeddings", argv)
+    if min(b.steps, b.dense_steps) <= b.warmup:
+        sys.exit(f"embeddings: steps={b.steps} and dense_steps={b.dense_steps} must both exceed "
+                 f"warmup={b.warmup} (the steps after the warm-up are the ones timed)")
     meta = header()
     rows = []
     for n in b.rows:
