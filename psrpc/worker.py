@@ -382,19 +382,16 @@ class Worker(Replica):
         done again in the new epoch."""
         self.finished = False
         replies: Optional[list[Reply]] = None  # none yet: pull first
-        broken = False  # an RPC failed: a peer left the old group
         while replies is None or not replies[0].finished:
-            if replies is None or broken or membership.changing():
+            if replies is None or membership.changing():
                 try:  # (the first pull too: a rank can be started again before it)
-                    if broken or membership.changing():
+                    if membership.changing():
                         replies, versions = self.rejoin()
                     else:
                         replies = self.client.pull()
                         versions = self.load(replies)
-                    broken = False
                 except Exception as e:
-                    _await_change(e)
-                    broken = True
+                    _await_change(e)  # returns once the change is announced: rejoin
                 continue
             t0 = time.perf_counter()
             step = self.data_step(versions[0])
@@ -410,7 +407,6 @@ class Worker(Replica):
                 replies = self.receive(futures)
             except Exception as e:
                 _await_change(e)
-                broken = True
                 continue
             self.next_data_step()
             t2 = time.perf_counter()
