@@ -198,10 +198,10 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
 
 def _attempts(cfg: Config, topo: Topology, out_dir: Path, worker_cls, store,
               timeout_s: Optional[float]) -> list[str]:
-    deadline = None if timeout_s is None else (time.monotonic() + timeout_s, timeout_s)
+    started = time.monotonic()
     attempt = 0
     while True:
-        cluster = _Cluster(cfg, topo, out_dir, worker_cls, store, attempt, deadline)
+        cluster = _Cluster(cfg, topo, out_dir, worker_cls, store, attempt, (started, timeout_s))
         try:
             return cluster.run()
         except _ChiefDied as e:
@@ -227,9 +227,10 @@ class _ChiefDied(ClusterFailed):
 class _Cluster:
     """One attempt of the whole group: start every rank, watch them, start lost ones again."""
 
-    def __init__(self, cfg, topo, out_dir, worker_cls, store, attempt, deadline):
+    def __init__(self, cfg, topo, out_dir, worker_cls, store, attempt, limit):
         self.cfg, self.topo, self.out_dir, self.worker_cls = cfg, topo, out_dir, worker_cls
-        self.store, self.attempt, self.deadline = store, attempt, deadline
+        self.store, self.attempt = store, attempt
+        self.started, self.timeout_s = limit  # the run's start, its time limit (None: none)
         self.ctx = process_context()
         self.errors = Path(tempfile.mkdtemp(prefix="psrpc-"))  # each rank's one-line error
         self.procs: dict[str, mp.Process] = {}
@@ -254,8 +255,9 @@ class _Cluster:
             running = dict(self.procs)
             while running:
                 stop.check()
-                if self.deadline is not None and time.monotonic() > self.deadline[0]:
-                    raise ClusterFailed(f"the run did not finish within {self.deadline[1]:g} s "
+                if (self.timeout_s is not None
+                        and time.monotonic() - self.started > self.timeout_s):
+                    raise ClusterFailed(f"the run did not finish within {self.timeout_s:g} s "
                                         "(its time limit); stopped every process")
                 failed = []
                 for name, p in list(running.items()):
