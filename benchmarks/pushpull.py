@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import ROOT, bench_config, header, run_psrpc, write_results
-from psrpc import comm
+from psrpc.cluster import comm
 from psrpc.worker import Worker
 
 

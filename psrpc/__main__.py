@@ -3,7 +3,7 @@ and `python -m psrpc -m` (a sweep, through the local launcher or Hydra's submiti
 
 Started by nobody (no RANK, no SLURM task of many) this process is the local launcher and starts
 the whole cluster; under torchrun, srun or a submitit job each process runs its own rank
-(psrpc/topology.py reads which). Either way: parse, validate, build, run.
+(psrpc/cluster/topology.py reads which). Either way: parse, validate, build, run.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from psrpc import slurm
+from psrpc.cluster import slurm
 from psrpc.config import register_configs, resolve_paths, stages, to_config, validate
 from psrpc.errors import PsrpcError
 from psrpc.factories import check_run
-from psrpc.topology import Topology, launched_rank, shared_run_id
+from psrpc.cluster.launchers import launched_rank, shared_run_id
+from psrpc.cluster.topology import Topology
 
 
 def _run_dir(base: str) -> str:

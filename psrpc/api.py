@@ -68,7 +68,7 @@ def train(overrides: Sequence[str] = (), *, model: Factory = None, data: Factory
 def run(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None) -> Optional[dict]:
     """The local cluster, or this process's rank under torchrun; the chief's summary."""
     from psrpc.config import stages
-    from psrpc.topology import Topology
+    from psrpc.cluster.topology import Topology
 
     topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg),
                              cfg.cluster.interface)

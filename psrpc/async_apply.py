@@ -29,21 +29,13 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm
+from psrpc.cluster import comm
+from psrpc.cluster.wire import Ticket
 from psrpc.errors import PushRejected
 from psrpc.liveness import LiveSet, Watchdog
 
 log = logging.getLogger(__name__)
 CLOCK_SHARD = 0
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """The clock's answer to `admit`."""
-
-    seq: Optional[int]  # the push becomes update seq+1 on every shard; None: not admitted
-    finished: bool = False  # training is over: stop
-    # seq None and not finished: the gradient is staler than k; pull fresh parameters
 
 
 @dataclass

@@ -13,16 +13,18 @@ from typing import Optional
 
 import torch
 
-from psrpc import checkpoint, comm
+from psrpc import checkpoint
+from psrpc.cluster import comm
 from psrpc.config import Config
 from psrpc.factories import load_data
 from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
-from psrpc.layout import Layout
+from psrpc.cluster.layout import Layout
 from psrpc.pipeline import model_cuts, stage_shapes
 from psrpc.shard import ShardSpec, ShardStats
-from psrpc.topology import Topology
-from psrpc import process, shm
+from psrpc.cluster.topology import Topology
+from psrpc import process
+from psrpc.cluster import shm
 from psrpc import shard as shard_module
 from psrpc.sparse.shard import TableShardSpec
 from psrpc.sparse.tables import find_tables
@@ -136,7 +138,7 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
 
 def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
     """Per dense shard: (mode, run, ids of the workers on its PS's host) when some worker
-    shares its PS's host (psrpc/shm.py), else None; each PS creates its shards' segments, before
+    shares its PS's host (psrpc/cluster/shm.py), else None; each PS creates its shards' segments, before
     the shards and workers map them. A worker's id in a shard's rounds is its index in data
     parallel, its replica in model parallel (one stage worker per replica pushes a shard)."""
     layout = Layout.concat(layouts)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from psrpc.errors import PsrpcError
-from psrpc.layout import Layout
+from psrpc.cluster.layout import Layout
 from psrpc.manifest import (BUFFERS_FILE, FORMAT, buffers_problem, manifest_problem, shard_file,
                             shard_state_problem)
 

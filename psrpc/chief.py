@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm, membership, outputs, process
+from psrpc.cluster import comm, membership
+from psrpc import outputs, process
 from psrpc.bootstrap import bootstrap
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
@@ -25,8 +26,8 @@ from psrpc.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throu
                          default_hooks)
 from psrpc.process import STOP_WAIT_S
 from psrpc.saver import build_saver
-from psrpc.shard import Reply
-from psrpc.topology import Topology
+from psrpc.cluster.wire import Reply
+from psrpc.cluster.topology import Topology
 from psrpc.worker import Plan, Worker
 
 log = logging.getLogger("psrpc")

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from psrpc.cluster.wire import WIRE_DTYPE_NAMES
 from psrpc.errors import ConfigError
 
 
@@ -279,7 +280,6 @@ def to_config(cfg: DictConfig) -> Config:
     return OmegaConf.to_object(cfg)
 
 
-WIRE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # update.wire_dtype
 AMP_DTYPES = {"none": None, "bf16": "bfloat16"}  # train.amp -> autocast dtype
 # TensorPipe's transports in torch 2.x (its agent raises "Unknown transport" for any other name):
 # TCP via libuv, shared memory on one host, InfiniBand verbs (needs an IB device).
@@ -321,7 +321,7 @@ def validate(cfg: Config) -> None:
            "cluster.transports", c.transports,
            f"must list TensorPipe transports from {list(TRANSPORTS)}, or be null (its default)")
     if c.interface is not None:
-        from psrpc import netif
+        from psrpc.cluster import netif
 
         netif.check_interface(c.interface, "cluster.interface")
     if p.name == "model":

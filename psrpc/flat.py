@@ -8,7 +8,7 @@ its own storage; its pieces are copied (only tensors over `cluster.max_shard_byt
 Pushes overlap backward: a post-accumulate-grad hook per parameter tells the worker when a shard's
 gradient is complete (see `arm`).
 
-With a PS on the same host (`cluster.shm`, psrpc/shm.py) a shard's gradient buffer is the
+With a PS on the same host (`cluster.shm`, psrpc/cluster/shm.py) a shard's gradient buffer is the
 worker's slot in shared memory (backward writes where the PS reads) and, in sync training with
 every worker in each round, its parameter buffer is a view of the master copy itself: no copy
 either way.
@@ -27,15 +27,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from psrpc import shm as shm_mod
-from psrpc.layout import Layout
+from psrpc.cluster import shm as shm_mod
+from psrpc.cluster.layout import Layout
 
 
 class FlatModel:
     def __init__(self, model: nn.Module, layout: Layout, device: torch.device,
                  wire_dtype: torch.dtype = torch.float32, shm: Optional[list] = None):
         """`shm[k]`: None (shard k over TCP), or (mode, params segment, slot segment) with mode
-        "views" or "slots" (psrpc/shm.py)."""
+        "views" or "slots" (psrpc/cluster/shm.py)."""
         self.layout, self.device, self.wire_dtype = layout, device, wire_dtype
         named = dict(model.named_parameters())
         missing = set(layout.shapes) - set(named)

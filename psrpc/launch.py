@@ -30,10 +30,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from psrpc import comm, env_defaults, membership, netif, shm
+from psrpc.cluster import comm, membership, netif, shm
+from psrpc import env_defaults
 from psrpc.config import Config, stages
 from psrpc.errors import ConfigError, PsrpcError
-from psrpc.topology import Topology
+from psrpc.cluster.topology import Topology
 
 log = logging.getLogger("psrpc")
 # User's SIGTERM/SIGINT: how long the chief gets to end its step, commit the final checkpoint

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from psrpc.layout import Layout
+from psrpc.cluster.layout import Layout
 
 FORMAT = "psrpc-checkpoint-1"
 REQUIRED = ("format", "step", "num_shards", "layout", "files")

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm, factories
+from psrpc.cluster import comm
+from psrpc import factories
 from psrpc.loader import fetch, to_device
 
 log = logging.getLogger("psrpc")

@@ -32,16 +32,17 @@ from torch import nn
 from torch.func import functional_call
 from torch.futures import Future
 
-from psrpc import comm, factories
+from psrpc.cluster import comm
+from psrpc import factories
 from psrpc.config import AMP_DTYPES, Config
 from psrpc.errors import ConfigError
 from psrpc.factories import Data
 from psrpc.faults import build_faults
 from psrpc.flat import FlatModel
-from psrpc.layout import Layout
+from psrpc.cluster.layout import Layout
 from psrpc.loader import split_batch, to_device
-from psrpc.shard import WIRE_DTYPES, Reply
-from psrpc.topology import Topology
+from psrpc.cluster.wire import WIRE_DTYPES, Reply
+from psrpc.cluster.topology import Topology
 from psrpc.worker import (Plan, Replica, ShardClient, load_buffers, model_buffers,
                           pick_device)
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from psrpc import comm, membership
+from psrpc.cluster import comm, membership
 from psrpc.config import Config, rpc_timeout_s
 from psrpc.errors import PsrpcError
-from psrpc.topology import Topology
+from psrpc.cluster.topology import Topology
 
 log = logging.getLogger("psrpc")
 
@@ -225,8 +225,8 @@ _SEGMENTS: list[str] = []  # the shared-memory segments this PS created
 
 def create_segments(segments: list[tuple[str, int]]) -> None:
     """Called by the chief on a PS: create its shards' shared-memory segments (name, elements);
-    this PS removes them when it leaves (psrpc/shm.py)."""
-    from psrpc import shm
+    this PS removes them when it leaves (psrpc/cluster/shm.py)."""
+    from psrpc.cluster import shm
 
     for name, numel in segments:
         shm.create(name, numel)
@@ -234,7 +234,7 @@ def create_segments(segments: list[tuple[str, int]]) -> None:
 
 
 def remove_segments() -> None:
-    from psrpc import shm
+    from psrpc.cluster import shm
 
     for name in _SEGMENTS:
         shm.unlink(name)

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as PyTimeout
 from typing import Callable, Optional
 
-from psrpc import checkpoint, comm
+from psrpc import checkpoint
+from psrpc.cluster import comm
 from psrpc.config import rpc_timeout_s
 from psrpc.hooks import Hook, StepInfo
 

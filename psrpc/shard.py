@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from psrpc import comm, shm
-from psrpc.config import WIRE_DTYPE_NAMES
+from psrpc.cluster import comm, shm
+from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
 from psrpc.optim import build_optimizer
@@ -35,7 +35,6 @@ from psrpc.updates import build_updater
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
 _NO_PARAMS = torch.empty(0)
 
 
@@ -57,22 +56,6 @@ class ShardSpec:
     stats: Optional[dict] = None  # counters carried over a restore
     name: str = ""  # for messages: "ps1", or "ps1/stage2" in model-parallel mode
     shm: Optional[tuple] = None  # (mode, run, worker ids): shared memory with those workers
-
-
-@dataclass
-class Reply:
-    """What a push (or pull) gets back from one shard."""
-
-    version: int  # global steps applied on this shard
-    params: torch.Tensor  # flat, wire dtype: a snapshot, or the master copy itself when no
-    # update can happen before every receiver has it (see Shard.reply); empty in the replies
-    # pipeline stages send their leader
-    accepted: bool  # False: stale, rejected, or training already finished
-    finished: bool  # no more updates will be applied: the worker stops
-    loss: Optional[float]  # sync: the last round's mean loss; async: mean of the last W applied
-    samples: int  # samples whose gradients this shard has applied so far
-    stale_dropped: int  # stale gradients dropped so far
-    skipped: bool = False  # this push's gradient was non-finite: not applied, its batch skipped
 
 
 @dataclass

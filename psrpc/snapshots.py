@@ -14,7 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
-from psrpc import checkpoint, comm
+from psrpc import checkpoint
+from psrpc.cluster import comm
 
 log = logging.getLogger(__name__)
 

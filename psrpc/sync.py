@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm
+from psrpc.cluster import comm
 from psrpc.errors import PushRejected
 from psrpc.liveness import LiveSet, Watchdog
 

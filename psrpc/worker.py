@@ -21,20 +21,20 @@ from typing import Callable, Optional
 
 import torch
 
-from psrpc import comm, factories, membership
-from psrpc.async_apply import Ticket
+from psrpc.cluster import comm, membership
+from psrpc import factories
+from psrpc.cluster.wire import WIRE_DTYPES, Reply, Ticket
 from psrpc.config import AMP_DTYPES, Config
 from psrpc.data import GlobalBatches
 from psrpc.errors import PsrpcError
 from psrpc.factories import Data
 from psrpc.faults import build_faults
 from psrpc.flat import FlatModel
-from psrpc.layout import Layout
+from psrpc.cluster.layout import Layout
 from psrpc.loader import StepBatches
 from psrpc.sparse.client import RowClient
 from psrpc.sparse.tables import find_tables
-from psrpc.shard import WIRE_DTYPES, Reply
-from psrpc.topology import Topology
+from psrpc.cluster.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Plan:
     def shm_for(self, stage: int, worker: int) -> list:
         """For FlatModel: per shard of `stage`, (mode, params segment, slot segment) when
         `worker` (its id in the shard's rounds) shares that shard's memory, else None."""
-        from psrpc import shm
+        from psrpc.cluster import shm
 
         first = sum(lay.num_shards for lay in self.layouts[:stage])
         out = []

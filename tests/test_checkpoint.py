@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from psrpc import checkpoint
-from psrpc.layout import Layout
+from psrpc.cluster.layout import Layout
 from tests.unit_helpers import adam, make_shard, push, sgd, sync
 
 SHAPES = {"w": (40, 5), "b": (40,), "v": (7, 3)}
@@ -244,7 +244,7 @@ def _saver(root, start_step=0, every_steps=3):
 
 
 def test_saver_does_not_ask_for_a_committed_step(tmp_path, caplog, monkeypatch):
-    from psrpc import comm
+    from psrpc.cluster import comm
 
     _saved_run(tmp_path, 2)
     asked = []
@@ -266,7 +266,7 @@ def test_saver_writes_the_chiefs_buffers_of_each_step_before_its_manifest(tmp_pa
     """Buffers (BatchNorm statistics) are taken when the chief reaches the step: at once for an
     every_steps save, later for a step asked ahead (time-based), at the end for the final one;
     buffers.pt is on disk, listed with size and sha256, before the manifest commits the step."""
-    from psrpc import comm
+    from psrpc.cluster import comm
     from psrpc.hooks import StepInfo
 
     layout = Layout.plan(SHAPES, 2, max_shard_bytes=400)

@@ -1,9 +1,9 @@
-"""psrpc/comm.py's choices about TensorPipe, checked without starting RPC."""
+"""psrpc/cluster/comm.py's choices about TensorPipe, checked without starting RPC."""
 
 import torch
 import torch.distributed.rpc as rpc
 
-from psrpc import comm
+from psrpc.cluster import comm
 
 
 def test_only_cpu_channels_where_cuda_is_visible(monkeypatch):

@@ -2,7 +2,7 @@
 
 import torch
 
-from psrpc.layout import Layout
+from psrpc.cluster.layout import Layout
 
 SHAPES = {"a.weight": (100, 10), "a.bias": (100,), "b.weight": (10, 100), "b.bias": (10,),
           "c.weight": (300, 10)}
@@ -21,7 +21,7 @@ def test_greedy_by_bytes_emptiest_takes_next_largest():
 def test_pieces_and_shards_aligned():
     """Vectorised kernels round an element by its position in the vector: aligned offsets make
     the number of PS change no bit of the result."""
-    from psrpc.layout import ALIGN
+    from psrpc.cluster.layout import ALIGN
 
     layout = Layout.plan(SHAPES, 3, max_shard_bytes=4000)
     assert all(p.offset % ALIGN == 0 for p in layout.pieces)

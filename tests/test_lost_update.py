@@ -26,7 +26,7 @@ def test_master_copy_is_start_minus_every_applied_update(tmp_path, update):
 
     torch.manual_seed(cfg.train.seed)  # the chief's initial model
     start = dict(IntegerGradWorker.build_model(cfg, load_data(cfg)).named_parameters())
-    from psrpc.layout import Layout
+    from psrpc.cluster.layout import Layout
 
     layout = Layout.plan({n: tuple(p.shape) for n, p in start.items()}, 2,
                          cfg.cluster.max_shard_bytes, cfg.cluster.bucket_bytes)

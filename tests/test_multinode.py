@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from psrpc import netif, slurm
+from psrpc.cluster import netif, slurm
 from psrpc.launch import free_port
 from tests.conftest import assert_equal_model, cli, on_cpu
 

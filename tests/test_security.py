@@ -13,10 +13,10 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from psrpc import comm, netif
+from psrpc.cluster import comm, netif
 from psrpc.errors import ConfigError
 from psrpc.launch import free_port, local_interface
-from psrpc.topology import Topology
+from psrpc.cluster.topology import Topology
 from tests.conftest import CPU, compose
 
 pytestmark = pytest.mark.timeout(120)

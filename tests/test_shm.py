@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from psrpc import shm
+from psrpc.cluster import shm
 from tests.conftest import assert_equal_model, run_cluster
 from tests.unit_helpers import sgd, sync
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from psrpc import slurm
+from psrpc.cluster import slurm
 
 
 @pytest.mark.parametrize("nodelist, hosts", [

@@ -2,9 +2,10 @@
 
 import pytest
 
-from psrpc import netif
+from psrpc.cluster import netif
 from psrpc.errors import ConfigError
-from psrpc.topology import Topology, launched_rank, shared_run_id
+from psrpc.cluster.launchers import launched_rank, shared_run_id
+from psrpc.cluster.topology import Topology
 
 
 def test_ranks_to_roles():

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm
+from psrpc.cluster import comm
 from psrpc.errors import PsrpcError
 from psrpc.sparse.rows import Partition, TableSpec
 

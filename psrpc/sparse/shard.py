@@ -25,11 +25,12 @@ from typing import Optional
 
 import torch
 
-from psrpc import comm
+from psrpc.cluster import comm
 from psrpc.checkpoint import write_atomic
 from psrpc.errors import PsrpcError, PushRejected
 from psrpc.schedule import lr_factor
-from psrpc.shard import Reply, Shard, ShardSpec, ShardStats
+from psrpc.cluster.wire import Reply
+from psrpc.shard import Shard, ShardSpec, ShardStats
 from psrpc.sparse.optim import build_sparse_optimizer
 from psrpc.sparse.rows import Partition, TableSpec, init_rows, table_seed
 

@@ -1,5 +1,5 @@
 """SLURM's compressed lists, read without SLURM: which node runs task 0, how many tasks a node
-runs, and the rendezvous port a job's tasks agree on (psrpc.topology reads the variables); and
+runs, and the rendezvous port a job's tasks agree on (psrpc.cluster.topology reads the variables); and
 the tasks per node that psrpc's submitit launcher configs ask for.
 """
 

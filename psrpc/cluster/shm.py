@@ -32,6 +32,8 @@ from typing import Optional
 
 import torch
 
+from psrpc.cluster.topology import replicas
+
 log = logging.getLogger("psrpc")
 SHM_DIR = Path("/dev/shm")
 SLOT = "slot"  # what a push carries instead of a gradient: "read my slot"
@@ -109,9 +111,6 @@ def mode(cfg, same_host: bool) -> Optional[str]:
             log.warning("cluster.shm=on but %s is not writable: using TCP", SHM_DIR)
         return None
     everyone = (cfg.update.name == "sync" and cfg.update.replicas_to_aggregate in
-                (None, cfg.cluster.num_workers // max(1, _stages(cfg))))
+                (None, replicas(cfg)))
     return "views" if everyone else "slots"
 
-
-def _stages(cfg) -> int:
-    return cfg.parallel.stages if cfg.parallel.name == "model" else 1

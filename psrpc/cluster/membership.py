@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Optional
 
-from psrpc import comm
+from psrpc.cluster import comm
 
 log = logging.getLogger("psrpc")
 
