@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from psrpc import checkpoint
+from psrpc.checkpoint import restore
+from psrpc.checkpoint.manifest import FORMAT as SHARD_FORMAT
 from psrpc.cluster.layout import Layout
 from tests.unit_helpers import adam, make_shard, push, sgd, sync
 
@@ -299,7 +301,7 @@ def test_saver_writes_the_chiefs_buffers_of_each_step_before_its_manifest(tmp_pa
     for sh in shards:
         sh.close()
     for step in (3, 5, 6, 7):
-        restored = checkpoint._load_step(step, checkpoint.step_dir(tmp_path, step))
+        restored = restore._load_step(step, checkpoint.step_dir(tmp_path, step))
         assert restored.buffers == {"bn.running_mean": torch.tensor([float(step)])}, step
 
 
@@ -318,7 +320,7 @@ def test_bad_buffers_file_skips_its_step(tmp_path, caplog, damage):
     else:  # right checksum, wrong content
         import io
         buf = io.BytesIO()
-        torch.save({"format": checkpoint.FORMAT, "step": 6, "buffers": [1, 2]}, buf)
+        torch.save({"format": SHARD_FORMAT, "step": 6, "buffers": [1, 2]}, buf)
         path.write_bytes(buf.getvalue())
         entry.update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
     manifest["buffers"] = entry
