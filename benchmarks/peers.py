@@ -19,7 +19,7 @@ from psrpc import factories
 from psrpc.config import Config
 from psrpc.data import GlobalBatches
 from psrpc.loader import StepBatches, fetch
-from psrpc.optim import build_optimizer
+from psrpc.ps.optim import build_optimizer
 
 
 def _free_port() -> int:

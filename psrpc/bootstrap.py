@@ -21,12 +21,11 @@ from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
 from psrpc.cluster.layout import Layout
 from psrpc.pipeline import model_cuts, stage_shapes
-from psrpc.shard import ShardSpec, ShardStats
+from psrpc.ps.shard import ShardSpec, ShardStats
 from psrpc.cluster.topology import Topology
-from psrpc import process
 from psrpc.cluster import shm
-from psrpc import shard as shard_module
-from psrpc.sparse.shard import TableShardSpec
+from psrpc.ps import service
+from psrpc.ps.tables import TableShardSpec
 from psrpc.sparse.tables import find_tables
 from psrpc.worker import Plan, model_buffers
 
@@ -143,7 +142,7 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
     parallel, its replica in model parallel (one stage worker per replica pushes a shard)."""
     layout = Layout.concat(layouts)
     hosts = dict(zip(topo.ps_names + topo.worker_names, comm.wait_all(
-        [comm.call(n, process.host_id) for n in topo.ps_names + topo.worker_names])))
+        [comm.call(n, shm.host_id) for n in topo.ps_names + topo.worker_names])))
     run = topo.shm_run or shm.new_run()
     stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
     shared, segments = [], {}
@@ -159,7 +158,7 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
             + [(shm.segment(run, g, f"g{w}"), numel) for w in ids])
         shared.append((mode, run, ids))
     # On the PS's host (which may not be the chief's): the PS removes them when it leaves.
-    comm.wait_all([comm.call(ps, process.create_segments, (segs,))
+    comm.wait_all([comm.call(ps, service.create_segments, (segs,))
                    for ps, segs in segments.items()])
     if any(shared):
         log.info("shared memory with the PS on the same host: %d of %d shards (%s)",
@@ -194,7 +193,7 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
 
 def _create(specs: list[tuple[str, object]]) -> list:
     """Build every (PS, spec) shard at once; their Handles (a constructor's error raises)."""
-    comm.wait_all([comm.call(ps, shard_module.create, (spec,)) for ps, spec in specs])
+    comm.wait_all([comm.call(ps, service.create_shard, (spec,)) for ps, spec in specs])
     return [comm.Handle(ps, spec.index) for ps, spec in specs]
 
 

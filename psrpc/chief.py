@@ -18,13 +18,14 @@ from typing import Optional
 import torch
 
 from psrpc.cluster import comm, membership
-from psrpc import outputs, process
+from psrpc import outputs
 from psrpc.bootstrap import bootstrap
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
 from psrpc.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
                          default_hooks)
 from psrpc.process import STOP_WAIT_S
+from psrpc.ps import service
 from psrpc.saver import build_saver
 from psrpc.cluster.wire import Reply
 from psrpc.cluster.topology import Topology
@@ -99,7 +100,7 @@ class Chief:
         checkpoint; then hand out the epoch's plan. Returns it."""
         t0 = time.monotonic()
         who, seen_at = membership.why(epoch)
-        held = comm.wait_all([comm.call(n, process.local_shards) for n in self.topo.ps_names])
+        held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
         found = {index for part in held for index in part}
         shards = self.plan.every_shard
         rolled_back = None
@@ -145,7 +146,7 @@ class Chief:
                                "checkpoint.every_steps to recover a lost PS")
             _plan_future(epoch).set_exception(error)
             raise error
-        comm.wait_all([comm.call(n, process.drop_shards) for n in self.topo.ps_names])
+        comm.wait_all([comm.call(n, service.drop_shards) for n in self.topo.ps_names])
         model, layout = self.worker_model, self.plan.layout
         flats, states = initial_state(self.cfg, model, layout, restored)
         topo = replace(self.topo, epoch=epoch)  # fault.crash_* crash the first epoch only

@@ -414,7 +414,7 @@ def _validate_optim(o) -> None:
         _check(len(o.betas) == 2 and all(_finite(b) and b < 1 for b in o.betas), "optim.betas",
                list(o.betas), "must be two numbers in [0, 1)")
         _check(_finite(o.eps), "optim.eps", o.eps, "must be a finite number ≥ 0")
-    from psrpc.schedule import SCHEDULES
+    from psrpc.ps.schedule import SCHEDULES
 
     _check(o.schedule in SCHEDULES, "optim.schedule", o.schedule,
            f"must be one of {sorted(SCHEDULES)}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from psrpc.cluster import comm, membership
+from psrpc.ps import service
 from psrpc.config import Config, rpc_timeout_s
 from psrpc.errors import PsrpcError
 from psrpc.cluster.topology import Topology
@@ -155,7 +156,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
             graceful = _wait_for_stop(topo)
     finally:
         comm.shutdown(graceful=graceful)
-        remove_segments()  # the workers are gone or leaving: a mapped segment stays mapped
+        service.remove_segments()  # the workers are gone or leaving: a mapped segment stays mapped
 
 
 def replica_class(parallel: str):
@@ -207,50 +208,6 @@ def _run_worker(cfg: Config, topo: Topology, worker_cls) -> None:
     worker.plan_source = lambda epoch: fetch_plan(cfg, topo, epoch)
     worker.run()
     comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
-
-
-def host_id() -> str:
-    """Which machine this process runs on: two ranks with the same id share memory."""
-    import socket
-
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-_SEGMENTS: list[str] = []  # the shared-memory segments this PS created
-
-
-def create_segments(segments: list[tuple[str, int]]) -> None:
-    """Called by the chief on a PS: create its shards' shared-memory segments (name, elements);
-    this PS removes them when it leaves (psrpc/cluster/shm.py)."""
-    from psrpc.cluster import shm
-
-    for name, numel in segments:
-        shm.create(name, numel)
-        _SEGMENTS.append(name)
-
-
-def remove_segments() -> None:
-    from psrpc.cluster import shm
-
-    for name in _SEGMENTS:
-        shm.unlink(name)
-    _SEGMENTS.clear()
-
-
-def local_shards() -> list[int]:
-    """The indices of the shards this PS holds (a PS started again holds none)."""
-    return sorted(comm.registered())
-
-
-def drop_shards() -> None:
-    """Forget this PS's shards (every shard rolls back to a checkpoint: new ones replace them)."""
-    for shard in comm.registered().values():
-        shard.close()
-    comm.registered().clear()
 
 
 def _wait_for_stop(topo: Topology) -> bool:

@@ -46,7 +46,7 @@ def test_backup_workers_through_slots_train_to_the_end(tmp_path):
 def test_a_slot_is_read_only_after_its_push(tmp_path):
     """A worker that dies while writing its slot never pushed: the round closes without it
     (update.timeout_s) and the master copy holds only the others' gradient."""
-    from psrpc.shard import Shard, ShardSpec
+    from psrpc.ps.shard import Shard, ShardSpec
 
     run = shm.new_run()
     try:

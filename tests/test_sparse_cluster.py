@@ -4,7 +4,7 @@ hold for tables as for dense parameters, and the tables can be read back."""
 import pytest
 import torch
 
-from psrpc.sparse.shard import load_tables
+from psrpc.sparse import load_tables
 from tests.conftest import (MNIST_ROOT, assert_equal_model, assert_same_model, compose,
                             run_cluster)
 

@@ -9,7 +9,7 @@ import torch
 
 from psrpc.errors import PushRejected
 from psrpc.sparse.rows import Partition, TableSpec
-from psrpc.sparse.shard import TableShard, TableShardSpec
+from psrpc.ps.tables import TableShard, TableShardSpec
 from tests.unit_helpers import asynch, sgd, sync
 
 SPECS = [TableSpec("user", 10, 4), TableSpec("item", 7, 4, pooling="mean")]

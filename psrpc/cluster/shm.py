@@ -27,6 +27,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -114,3 +115,11 @@ def mode(cfg, same_host: bool) -> Optional[str]:
                 (None, replicas(cfg)))
     return "views" if everyone else "slots"
 
+
+def host_id() -> str:
+    """Which machine this process runs on: two ranks with the same id share memory."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -1,6 +1,7 @@
 """Sparse embedding tables on the parameter servers: rows and their partitioning (`rows`),
 row-sparse optimizers (`optim`), the tables a model uses (`tables`: local, or remote inside
-psrpc), a worker's client of the table shards (`client`) and the PS side (`shard`).
+psrpc), and a run's tables read back (`export`). Pure table math: no RPC; the PS's table shard is
+psrpc/ps/tables.py, a worker's client of it psrpc/worker/rows.py.
 
 In a model: `EmbeddingTables([TableSpec("user", 10_000_000, 64), ...])`; after a run,
 `load_tables(out_dir)` gives every table back, `load_model(model, out_dir)` the whole model."""
@@ -8,7 +9,7 @@ In a model: `EmbeddingTables([TableSpec("user", 10_000_000, 64), ...])`; after a
 from psrpc.sparse.optim import SPARSE_OPTIMIZERS, build_sparse_optimizer
 from psrpc.sparse.rows import (Partition, TableSpec, coalesce, hash64, hash_ids, init_rows,
                                table_seed)
-from psrpc.sparse.shard import load_model, load_tables
+from psrpc.sparse.export import load_model, load_tables
 from psrpc.sparse.tables import EmbeddingTables, bag_inputs
 
 __all__ = ["EmbeddingTables", "Partition", "SPARSE_OPTIMIZERS", "TableSpec", "bag_inputs",

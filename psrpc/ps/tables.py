@@ -25,12 +25,11 @@ from typing import Optional
 
 import torch
 
-from psrpc.cluster import comm
 from psrpc.checkpoint import write_atomic
 from psrpc.errors import PsrpcError, PushRejected
-from psrpc.schedule import lr_factor
+from psrpc.ps.schedule import lr_factor
 from psrpc.cluster.wire import Reply
-from psrpc.shard import Shard, ShardSpec, ShardStats
+from psrpc.ps.shard import Shard, ShardSpec, ShardStats
 from psrpc.sparse.optim import build_sparse_optimizer
 from psrpc.sparse.rows import Partition, TableSpec, init_rows, table_seed
 
@@ -237,39 +236,3 @@ class TableShard(Shard):
         mine = [f for f in files if f.get("ps") == self.ps]
         if same and mine:
             self._restored_stats = dict(mine[0]["stats"])
-
-
-def load_tables(out_dir: str) -> dict[str, torch.Tensor]:
-    """Every table of a run, whole ({name: (num_rows, dim)}), from the files its servers wrote
-    (`out_dir/tables/ps<k>.pt`). For a table too large for one process, read the files one by
-    one instead: each holds its rows' global ids ("rows") and values ("weight")."""
-    files = sorted((Path(out_dir) / "tables").glob("ps*.pt"))
-    if not files:
-        raise FileNotFoundError(f"{out_dir}/tables/ holds no ps<k>.pt: this run had no tables")
-    tables: dict[str, torch.Tensor] = {}
-    for path in files:
-        part = torch.load(path, weights_only=True, mmap=True)
-        for name, t in part["tables"].items():
-            if name not in tables:
-                tables[name] = torch.empty(t["num_rows"], t["weight"].shape[1])
-            tables[name][t["rows"]] = t["weight"]
-    return tables
-
-
-def load_model(model: torch.nn.Module, out_dir: str) -> torch.nn.Module:
-    """model.pt and the tables' files of a run into `model` (built as the config builds it,
-    outside psrpc: its EmbeddingTables hold their weights)."""
-    state = torch.load(Path(out_dir) / "model.pt", weights_only=True)
-    for name, weight in load_tables(out_dir).items():
-        state[_table_key(model, name)] = weight
-    model.load_state_dict(state)
-    return model
-
-
-def _table_key(model: torch.nn.Module, table: str) -> str:
-    from psrpc.sparse.tables import EmbeddingTables
-
-    for prefix, module in model.named_modules():
-        if isinstance(module, EmbeddingTables) and table in module.bags:
-            return f"{prefix}.bags.{table}.weight" if prefix else f"bags.{table}.weight"
-    raise KeyError(f"the model has no table {table!r}")

@@ -32,7 +32,7 @@ import torch
 from psrpc.cluster import comm
 from psrpc.cluster.wire import Ticket
 from psrpc.errors import PushRejected
-from psrpc.liveness import LiveSet, Watchdog
+from psrpc.ps.liveness import LiveSet, Watchdog
 
 log = logging.getLogger(__name__)
 CLOCK_SHARD = 0

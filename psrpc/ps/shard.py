@@ -28,10 +28,10 @@ from psrpc.cluster import comm, shm
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
-from psrpc.optim import build_optimizer
-from psrpc.schedule import lr_factor
-from psrpc.snapshots import ShardSnapshots
-from psrpc.updates import build_updater
+from psrpc.ps.optim import build_optimizer
+from psrpc.ps.schedule import lr_factor
+from psrpc.ps.snapshots import ShardSnapshots
+from psrpc.ps.updates import build_updater
 
 log = logging.getLogger(__name__)
 
@@ -387,13 +387,3 @@ class Shard:
         if grad.device.type != "cpu" or grad.layout != torch.strided:
             raise PushRejected(f"{name}: worker{worker} pushed a {grad.layout} tensor on "
                                f"{grad.device}, expected a dense CPU tensor")
-
-
-def create(spec: ShardSpec) -> int:
-    """On a PS: build the shard `spec` describes (a TableShard for a table spec) and register
-    it under its index; returns the index (the Handle's key)."""
-    from psrpc.sparse.shard import TableShard, TableShardSpec
-
-    shard = TableShard(spec) if isinstance(spec, TableShardSpec) else Shard(spec)
-    comm.register(shard.index, shard)
-    return shard.index

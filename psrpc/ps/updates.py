@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from psrpc.async_apply import AsyncApplier
-from psrpc.sync import SyncAggregator
+from psrpc.ps.async_apply import AsyncApplier
+from psrpc.ps.sync import SyncAggregator
 
 RULES = {"sync": SyncAggregator, "async": AsyncApplier}
 

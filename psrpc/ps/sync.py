@@ -28,7 +28,7 @@ import torch
 
 from psrpc.cluster import comm
 from psrpc.errors import PushRejected
-from psrpc.liveness import LiveSet, Watchdog
+from psrpc.ps.liveness import LiveSet, Watchdog
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,54 @@
+"""What a parameter server serves over RPC besides its shards' own methods: the chief calls
+these on each PS to create its shards (`create_shard`), to find out what it holds after a
+membership change (`local_shards`, `drop_shards`), and to set up shared memory with the workers
+on its host (`create_segments`).
+"""
+
+from __future__ import annotations
+
+from psrpc.cluster import comm, shm
+from psrpc.ps.shard import Shard, ShardSpec
+from psrpc.ps.tables import TableShard, TableShardSpec
+
+# Which shard a spec builds (a registry, not an if): the most specific spec type first.
+SHARD_TYPES = ((TableShardSpec, TableShard), (ShardSpec, Shard))
+
+
+def create_shard(spec: ShardSpec) -> int:
+    """Build the shard `spec` describes on this PS and register it under its index; returns
+    the index (the key of its comm.Handle)."""
+    cls = next(cls for kind, cls in SHARD_TYPES if isinstance(spec, kind))
+    shard = cls(spec)
+    comm.register(shard.index, shard)
+    return shard.index
+
+
+_SEGMENTS: list[str] = []  # the shared-memory segments this PS created
+
+
+def create_segments(segments: list[tuple[str, int]]) -> None:
+    """Called by the chief on a PS: create its shards' shared-memory segments (name, elements);
+    this PS removes them when it leaves (psrpc/cluster/shm.py)."""
+    for name, numel in segments:
+        shm.create(name, numel)
+        _SEGMENTS.append(name)
+
+
+def remove_segments() -> None:
+    """This PS's segments, when it leaves (the workers are gone or leaving: a mapped segment
+    stays mapped)."""
+    for name in _SEGMENTS:
+        shm.unlink(name)
+    _SEGMENTS.clear()
+
+
+def local_shards() -> list[int]:
+    """The indices of the shards this PS holds (a PS started again holds none)."""
+    return sorted(comm.registered())
+
+
+def drop_shards() -> None:
+    """Forget this PS's shards (every shard rolls back to a checkpoint: new ones replace them)."""
+    for shard in comm.registered().values():
+        shard.close()
+    comm.registered().clear()
