@@ -38,7 +38,7 @@ def psrpc_config(overrides: list[str], **factories):
     return cfg
 
 
-def run_psrpc(overrides: list[str], worker_cls=None, timeout_s: float = 1800,
+def run_psrpc(overrides: list[str], replica_cls=None, timeout_s: float = 1800,
               extra_files=()) -> dict:
     """One psrpc run through the real launcher; returns its summary.json (plus any
     `extra_files`, JSON files a hook wrote into the run's out_dir)."""
@@ -46,7 +46,7 @@ def run_psrpc(overrides: list[str], worker_cls=None, timeout_s: float = 1800,
 
     cfg = psrpc_config(overrides)
     with tempfile.TemporaryDirectory(prefix="psrpc-bench-") as out:
-        launch(cfg, Path(out), timeout_s=timeout_s, worker_cls=worker_cls)
+        launch(cfg, Path(out), timeout_s=timeout_s, replica_cls=replica_cls)
         summary = json.loads((Path(out) / "summary.json").read_text())
         for name in extra_files:
             summary[name] = json.loads((Path(out) / name).read_text())

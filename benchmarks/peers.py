@@ -17,8 +17,8 @@ import torch
 
 from psrpc import factories
 from psrpc.config import Config
-from psrpc.data import GlobalBatches
-from psrpc.loader import StepBatches, fetch
+from psrpc.worker.batches import GlobalBatches
+from psrpc.worker.loader import StepBatches, fetch
 from psrpc.ps.optim import build_optimizer
 
 

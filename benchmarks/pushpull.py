@@ -20,7 +20,7 @@ from torch import nn
 
 from benchmarks.common import ROOT, bench_config, header, run_psrpc, write_results
 from psrpc.cluster import comm
-from psrpc.worker import Worker
+from psrpc.worker.data_parallel import Worker
 
 
 def echo(t: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> None:
                        f"train.warmup_steps={b.warmup}", f"data.image_shape=[1,1,{width}]",
                        "data.num_classes=8", "data.size=2", "data.test_size=0",
                        "train.log_every=1000000", f"cluster.ps_threads={threads}"]
-                      + list(b.psrpc), worker_cls=PushPullProbe)
+                      + list(b.psrpc), replica_cls=PushPullProbe)
         w = s["workers"]["0"]
         nbytes = size * 2**20
         wire_bytes = nbytes // (1 if wire == "float32" else 2)

@@ -9,35 +9,37 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+from torch import nn
 
 from psrpc import checkpoint
 from psrpc.cluster import comm
 from psrpc.config import Config
-from psrpc.factories import load_data
+from psrpc.factories import Data, load_data
 from psrpc.errors import PsrpcError
 from psrpc.faults import build_faults
 from psrpc.cluster.layout import Layout
-from psrpc.pipeline import model_cuts, stage_shapes
+from psrpc.models.stages import model_cuts, stage_shapes
 from psrpc.ps.shard import ShardSpec, ShardStats
 from psrpc.cluster.topology import Topology
 from psrpc.cluster import shm
 from psrpc.ps import service
 from psrpc.ps.tables import TableShardSpec
 from psrpc.sparse.tables import find_tables
-from psrpc.worker import Plan, model_buffers
+from psrpc.worker.plan import Plan
+from psrpc.worker.replica import model_buffers
 
 log = logging.getLogger("psrpc")
 
 
-def bootstrap(cfg: Config, topo: Topology, worker_cls):
+def bootstrap(cfg: Config, topo: Topology, build_model: Callable[[Config, Data], nn.Module]):
     """Build the model (seeded) or restore the newest checkpoint, create the shards on the PS
     (per pipeline stage in model-parallel mode). Returns (plan, model, dataset)."""
     torch.manual_seed(cfg.train.seed)
     dataset = load_data(cfg)
-    model = worker_cls.build_model(cfg, dataset)
+    model = build_model(cfg, dataset)
     cuts, layouts = plan_layouts(cfg, topo, model)
     layout = Layout.concat(layouts)
     restored = checkpoint.find_latest(cfg.checkpoint.dir)
@@ -67,7 +69,7 @@ def plan_layouts(cfg: Config, topo: Topology, model) -> tuple[list[int], list[La
     if cfg.parallel.name == "data":
         cuts, shapes = [0], [{n: tuple(p.shape) for n, p in model.named_parameters()}]
     else:
-        cuts = model_cuts(model, cfg)
+        cuts = model_cuts(model, cfg.parallel)
         shapes = stage_shapes(model, cuts)
     return cuts, [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes,
                               cfg.cluster.bucket_bytes) for sh in shapes]

@@ -29,7 +29,8 @@ from psrpc.ps import service
 from psrpc.saver import build_saver
 from psrpc.cluster.wire import Reply
 from psrpc.cluster.topology import Topology
-from psrpc.worker import Plan, Worker
+from psrpc.worker.data_parallel import Worker
+from psrpc.worker.plan import Plan
 
 log = logging.getLogger("psrpc")
 
@@ -70,9 +71,9 @@ def stop_at_next_step() -> None:
 
 
 class Chief:
-    def __init__(self, cfg: Config, topo: Topology, out_dir: Path, worker_cls=Worker):
+    def __init__(self, cfg: Config, topo: Topology, out_dir: Path, replica_cls=Worker):
         self.cfg, self.topo, self.out_dir = cfg, topo, Path(out_dir)
-        self.worker_cls = worker_cls
+        self.replica_cls = replica_cls
         self.throughput = Throughput(cfg.train.warmup_steps)
         self.hooks: Optional[Hooks] = None
         self.plan: Optional[Plan] = None
@@ -84,7 +85,7 @@ class Chief:
     def initialise(self):
         """Create the shards (fresh or restored) and hand the plan to the workers."""
         try:
-            self.plan, model, dataset = bootstrap(self.cfg, self.topo, self.worker_cls)
+            self.plan, model, dataset = bootstrap(self.cfg, self.topo, self.replica_cls.build_model)
         except Exception as e:
             _plan_future(self.topo.epoch).set_exception(
                 PsrpcError(f"the chief failed to initialise: {e}"))
@@ -195,7 +196,7 @@ class Chief:
     def run(self) -> dict:
         t_start = time.perf_counter()
         model, dataset = self.initialise()
-        worker = self.worker_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
+        worker = self.replica_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
         worker.plan_source = self.begin_epoch  # the chief makes each epoch's plan itself
         self.worker_model = worker.model
         self.train_size = len(worker.data.train)

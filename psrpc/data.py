@@ -1,42 +1,33 @@
-"""The built-in dataset factories (`data=synthetic|mnist|cifar10`), and the global batch order.
+"""The built-in dataset factories (`data=synthetic|mnist|cifar10`).
 
 The built-ins are whole normalised tensors in memory (a TensorDataset, indexed a batch at a time:
 no per-sample Python), returned as `{"train", "test", "image_shape", "num_classes"}` like any
 dataset factory (psrpc/factories.py).
 
-Determinism: the global batch at step t is rows [t·G, (t+1)·G) of an endless stream of per-epoch
-permutations seeded by train.seed, with G = replicas × batch; replica i takes rows [i·B, (i+1)·B)
-of it. So it is the same set of samples whatever the number of workers, for any map-style
-dataset.
+Which samples each step trains on is psrpc/worker/batches.py (the batch order contract).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from psrpc.errors import ConfigError
-
-
-def _check(ok: bool, key: str, value, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"data.{key}={value!r}: {allowed}")
+from psrpc.errors import ConfigError, require
 
 
 def synthetic(image_shape=(1, 28, 28), num_classes: int = 10, size: int = 16384,
               test_size: int = 2048, noise: float = 5.0, seed: int = 0) -> dict:
     """Class prototypes (smooth random images) plus Gaussian noise: learnable, not trivial,
     deterministic from the seed."""
-    _check(len(image_shape) == 3 and all(n >= 1 for n in image_shape), "image_shape",
+    require(len(image_shape) == 3 and all(n >= 1 for n in image_shape), "data.image_shape",
            list(image_shape), "must be [C, H, W] with every entry ≥ 1")
-    _check(num_classes >= 2, "num_classes", num_classes, "must be ≥ 2")
-    _check(size >= 1, "size", size, "must be ≥ 1")
-    _check(test_size >= 0, "test_size", test_size, "must be ≥ 0")
-    _check(noise >= 0, "noise", noise, "must be ≥ 0")
+    require(num_classes >= 2, "data.num_classes", num_classes, "must be ≥ 2")
+    require(size >= 1, "data.size", size, "must be ≥ 1")
+    require(test_size >= 0, "data.test_size", test_size, "must be ≥ 0")
+    require(noise >= 0, "data.noise", noise, "must be ≥ 0")
     c, h, w = image_shape
     g = torch.Generator().manual_seed(seed)
     coarse = torch.randn(num_classes, c, max(1, h // 4), max(1, w // 4), generator=g)
@@ -96,38 +87,3 @@ def cifar10(root: str, download: bool = False) -> dict:
     augmentation (examples/cifar_cnn.py shows a dataset factory that augments)."""
     return _torchvision("CIFAR10", root, download, [0.4914, 0.4822, 0.4465],
                         [0.2470, 0.2435, 0.2616])
-
-
-class GlobalBatches:
-    """Which samples make the global batch at each step."""
-
-    def __init__(self, num_samples: int, global_batch: int, seed: int):
-        self.n, self.g, self.seed = num_samples, global_batch, seed
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-            self._perms[epoch] = torch.randperm(self.n, generator=gen)
-        return self._perms[epoch]
-
-    def indices(self, step: int, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """Rows [start, stop) of global batch `step` (default: all of it)."""
-        stop = self.g if stop is None else stop
-        first, last = step * self.g + start, step * self.g + stop
-        parts, pos = [], first
-        while pos < last:
-            epoch, offset = divmod(pos, self.n)
-            take = min(last - pos, self.n - offset)
-            parts.append(self._perm(epoch)[offset:offset + take])
-            pos += take
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def slice_for(self, step: int, replica: int, batch: int) -> torch.Tensor:
-        """Replica `replica`'s rows [i·B, (i+1)·B) of global batch `step`."""
-        return self.indices(step, replica * batch, (replica + 1) * batch)
-
-    def epoch(self, step: int) -> float:
-        """Epochs of the training set seen by the end of global batch `step` (0-based)."""
-        return (step + 1) * self.g / self.n

@@ -11,3 +11,24 @@ class ConfigError(PsrpcError):
 
 class PushRejected(PsrpcError):
     """A push that a shard refuses (wrong length, dtype, unknown worker, step from the future)."""
+
+
+def require(ok: bool, key: str, value, allowed: str) -> None:
+    """Raise a ConfigError naming the key, its value and what is allowed, unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {allowed}")
+
+
+def one_of(registry: dict, name: str, key: str):
+    """registry[name], or a ConfigError naming the key, the value and the valid names."""
+    try:
+        return registry[name]
+    except KeyError:
+        raise ConfigError(f"{key}={name!r}: must be one of {sorted(registry)}") from None
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error's message (a remote error carries its traceback), or its
+    type's name when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from psrpc.errors import ConfigError
+from psrpc.errors import ConfigError, first_line
 
 RESERVED = {"data": ("num_workers",)}
 """Keys of a node that are psrpc's, not the factory's (data.num_workers: loader processes)."""
@@ -50,7 +50,7 @@ def locate(key: str, node: Any) -> Callable:
     try:
         fn = get_object(target)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise ConfigError(f"{key}._target_={target!r} does not import: {first}") from None
     if not callable(fn):
         raise ConfigError(f"{key}._target_={target!r} is a {type(fn).__name__}, not callable")
@@ -179,7 +179,7 @@ def check_run(cfg) -> None:
     for key in ("model", "loss", "metric"):
         check_arguments(key, getattr(cfg, key), data.info)
     model, loss_fn, metric = build_model(cfg, data), build_loss(cfg, data), build_metric(cfg, data)
-    from psrpc.sparse.client import DryRows
+    from psrpc.sparse.tables import DryRows
     from psrpc.sparse.tables import find_tables
 
     tables = find_tables(model)
@@ -196,14 +196,14 @@ def check_run(cfg) -> None:
         x, y = default_collate([data.train[i] for i in range(min(2, len(data.train)))])
     except Exception as e:
         raise ConfigError(f"data._target_={cfg.data['_target_']!r}: its items do not make a "
-                          f"batch ({_first_line(e)}); an item is an (input, target) pair of "
+                          f"batch ({first_line(e)}); an item is an (input, target) pair of "
                           "tensors (or dicts of tensors)") from None
     try:
         with torch.no_grad():
             out = model(x)
     except Exception as e:
         raise ConfigError(f"model._target_={cfg.model['_target_']!r} cannot take a batch of "
-                          f"data._target_={cfg.data['_target_']!r}: {_first_line(e)} (input "
+                          f"data._target_={cfg.data['_target_']!r}: {first_line(e)} (input "
                           f"{_shape(x)})") from None
     try:
         value = loss_fn(out, y)
@@ -211,18 +211,18 @@ def check_run(cfg) -> None:
             raise ValueError(f"it returned {_shape(value)}, expected a scalar tensor")
     except Exception as e:
         raise ConfigError(f"loss._target_={cfg.loss['_target_']!r} on the model's output "
-                          f"{_shape(out)} and the target {_shape(y)}: {_first_line(e)}") from None
+                          f"{_shape(out)} and the target {_shape(y)}: {first_line(e)}") from None
     try:
         metric.reset()
         metric.update(out, y)
         metric.compute()
     except Exception as e:
         raise ConfigError(f"metric._target_={cfg.metric['_target_']!r} on the model's output "
-                          f"{_shape(out)} and the target {_shape(y)}: {_first_line(e)}") from None
+                          f"{_shape(out)} and the target {_shape(y)}: {first_line(e)}") from None
     if cfg.parallel.name == "model":
-        from psrpc.pipeline import model_cuts
+        from psrpc.models.stages import model_cuts
 
-        model_cuts(model, cfg)  # the model can be cut as asked
+        model_cuts(model, cfg.parallel)  # the model can be cut as asked
 
 
 def _shape(x) -> str:
@@ -233,8 +233,3 @@ def _shape(x) -> str:
     if isinstance(x, (tuple, list)):
         return "(" + ", ".join(_shape(v) for v in x) + ")"
     return type(x).__name__
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -258,5 +258,5 @@ class StopAtStep(Hook):
 def default_hooks(out_dir: Path, cfg) -> list[Hook]:
     """What every run gets: progress line, metrics.jsonl and TensorBoard. (Non-finite
     gradients are skipped by the shards and stop the run after train.nonfinite_patience in a
-    row: psrpc.worker.NonfiniteGuard.)"""
+    row: psrpc.worker.data_parallel.NonfiniteGuard.)"""
     return [MetricsLog(out_dir, cfg.train.log_every)]

@@ -113,7 +113,7 @@ def _die_with_launcher(pid: int, created: float) -> None:
     threading.Thread(target=watch, name="psrpc-launcher-watch", daemon=True).start()
 
 
-def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cls,
+def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_cls,
            launcher: tuple[int, float]) -> None:
     """Entry of one rank's process (`launcher`: the launcher's pid and start time)."""
     _die_with_launcher(*launcher)
@@ -121,7 +121,7 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, worker_cl
     from psrpc.process import run_rank
 
     try:
-        run_rank(cfg, topo, Path(out_dir), worker_cls)
+        run_rank(cfg, topo, Path(out_dir), replica_cls)
     except BaseException as e:  # report once, then exit non-zero
         if isinstance(e, PsrpcError):  # bad input or a lost peer: the message says it all
             logged = line = str(e)
@@ -139,7 +139,7 @@ def process_context():
 
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first optimizer a PS builds imports it (about 1 s on 2 cores, per rank)
-    ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker", "torch._dynamo"])
+    ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker.data_parallel", "torch._dynamo"])
     with env_defaults():  # the server and every rank forked from it; not this process
         forkserver.ensure_running()
     if not _HELPERS_STOP_AT_EXIT:
@@ -175,11 +175,12 @@ def stop_helpers() -> None:
 
 
 def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
-           worker_cls=None) -> list[str]:
+           replica_cls=None) -> list[str]:
     """Run the cluster to the end. Returns the names of lost workers; raises ClusterFailed.
 
-    `worker_cls` replaces `psrpc.worker.Worker` on every worker (a module-level class: it is
-    pickled by reference), e.g. to push known gradients in a test.
+    `replica_cls` replaces the replica loop (psrpc.worker.data_parallel.Worker) on every
+    worker (a module-level class: it is pickled by reference), e.g. to push known gradients in
+    a test; its `build_model` builds the model.
 
     A worker that dies is started again and rejoins the running job (up to
     cluster.max_worker_restarts times each); a PS that dies is started again and every shard
@@ -192,17 +193,17 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
                     interface=local_interface(cfg), shm_run=shm.new_run())
     store = comm.host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
     try:
-        return _attempts(cfg, topo, out_dir, worker_cls, store, timeout_s)
+        return _attempts(cfg, topo, out_dir, replica_cls, store, timeout_s)
     finally:
         shm.remove(topo.shm_run)  # every rank is gone: its shared memory too
 
 
-def _attempts(cfg: Config, topo: Topology, out_dir: Path, worker_cls, store,
+def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
               timeout_s: Optional[float]) -> list[str]:
     started = time.monotonic()
     attempt = 0
     while True:
-        cluster = _Cluster(cfg, topo, out_dir, worker_cls, store, attempt, (started, timeout_s))
+        cluster = _Cluster(cfg, topo, out_dir, replica_cls, store, attempt, (started, timeout_s))
         try:
             return cluster.run()
         except _ChiefDied as e:
@@ -228,8 +229,8 @@ class _ChiefDied(ClusterFailed):
 class _Cluster:
     """One attempt of the whole group: start every rank, watch them, start lost ones again."""
 
-    def __init__(self, cfg, topo, out_dir, worker_cls, store, attempt, limit):
-        self.cfg, self.topo, self.out_dir, self.worker_cls = cfg, topo, out_dir, worker_cls
+    def __init__(self, cfg, topo, out_dir, replica_cls, store, attempt, limit):
+        self.cfg, self.topo, self.out_dir, self.replica_cls = cfg, topo, out_dir, replica_cls
         self.store, self.attempt = store, attempt
         self.started, self.timeout_s = limit  # the run's start, its time limit (None: none)
         self.ctx = process_context()
@@ -245,7 +246,7 @@ class _Cluster:
         topo = replace(self.topo.with_rank(rank, self.epoch), restart_count=self.attempt)
         self.procs[name] = self.ctx.Process(target=_child, name=name, daemon=False, args=(
             self.cfg, topo, str(self.out_dir), str(self.errors / f"{name}.err"),
-            self.worker_cls, _this_process()))
+            self.replica_cls, _this_process()))
         self.procs[name].start()
 
     def run(self) -> list[str]:

@@ -13,7 +13,7 @@ import torch
 
 from psrpc.cluster import comm
 from psrpc import factories
-from psrpc.loader import fetch, to_device
+from psrpc.worker.loader import fetch, to_device
 
 log = logging.getLogger("psrpc")
 

@@ -20,7 +20,7 @@ import torch
 from psrpc.cluster import comm, membership
 from psrpc.ps import service
 from psrpc.config import Config, rpc_timeout_s
-from psrpc.errors import PsrpcError
+from psrpc.errors import PsrpcError, first_line
 from psrpc.cluster.topology import Topology
 
 log = logging.getLogger("psrpc")
@@ -126,9 +126,9 @@ def install_signal_handlers() -> None:
         signal.signal(signal.SIGINT, _on_terminate)
 
 
-def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> None:
+def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> None:
     """Everything one rank does, from joining the cluster to leaving it."""
-    worker_cls = worker_cls or replica_class(cfg.parallel.name)
+    replica_cls = replica_cls or replica_class(cfg.parallel.name)
     name_process(f"psrpc-{topo.name}")
     setup_logging(topo.name, out_dir)
     log.info("%s is pid %d (process name psrpc-%s)", topo.name, os.getpid(), topo.name)
@@ -149,10 +149,10 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
     graceful = False
     try:
         if topo.is_chief:
-            graceful = _run_chief(cfg, topo, out_dir, worker_cls)
+            graceful = _run_chief(cfg, topo, out_dir, replica_cls)
         else:
             if topo.is_leader:  # a pipeline stage other than 0 only serves its Stage object
-                _run_worker(cfg, topo, worker_cls)
+                _run_worker(cfg, topo, replica_cls)
             graceful = _wait_for_stop(topo)
     finally:
         comm.shutdown(graceful=graceful)
@@ -161,8 +161,8 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, worker_cls=None) -> Non
 
 def replica_class(parallel: str):
     """The training loop each replica leader runs, by `parallel=` (a registry, not an if)."""
-    from psrpc.pipeline import PipelineLeader
-    from psrpc.worker import Worker
+    from psrpc.worker.pipeline import PipelineLeader
+    from psrpc.worker.data_parallel import Worker
 
     loops = {"data": Worker, "model": PipelineLeader}
     try:
@@ -171,10 +171,10 @@ def replica_class(parallel: str):
         raise ValueError(f"parallel={parallel!r}: must be one of {sorted(loops)}") from None
 
 
-def _run_chief(cfg: Config, topo: Topology, out_dir: Path, worker_cls) -> bool:
+def _run_chief(cfg: Config, topo: Topology, out_dir: Path, replica_cls) -> bool:
     from psrpc.chief import Chief
 
-    chief = Chief(cfg, topo, out_dir, worker_cls)
+    chief = Chief(cfg, topo, out_dir, replica_cls)
     chief.run()
     graceful = not chief.lost
     lost = {f"worker{w}" for w in chief.lost}
@@ -183,7 +183,7 @@ def _run_chief(cfg: Config, topo: Topology, out_dir: Path, worker_cls) -> bool:
         try:
             fut.wait()
         except Exception as e:  # it is leaving anyway; shutdown below does not wait for it
-            log.warning("%s did not acknowledge the stop: %s", name, str(e).splitlines()[0])
+            log.warning("%s did not acknowledge the stop: %s", name, first_line(e))
     return graceful
 
 
@@ -198,13 +198,13 @@ def fetch_plan(cfg: Config, topo: Topology, epoch: int):
         raise PsrpcError(
             f"{topo.name}: no plan from the chief ({topo.chief_name}) after waiting up to "
             f"{cfg.cluster.init_timeout_s:.0f} s (cluster.init_timeout_s) for it to initialise "
-            f"the parameter servers: {str(e).splitlines()[0]}") from e
+            f"the parameter servers: {first_line(e)}") from e
 
 
-def _run_worker(cfg: Config, topo: Topology, worker_cls) -> None:
+def _run_worker(cfg: Config, topo: Topology, replica_cls) -> None:
     from psrpc import chief
 
-    worker = worker_cls(cfg, topo, fetch_plan(cfg, topo, membership.current()))
+    worker = replica_cls(cfg, topo, fetch_plan(cfg, topo, membership.current()))
     worker.plan_source = lambda epoch: fetch_plan(cfg, topo, epoch)
     worker.run()
     comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
@@ -227,7 +227,7 @@ def _wait_for_stop(topo: Topology) -> bool:
             phase = comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
         except Exception as e:
             raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "
-                             f"{str(e).splitlines()[0]}") from e
+                             f"{first_line(e)}") from e
         if _TERMINATING and not _STOP.is_set():
             limit = TERMINATE_WAIT_S if phase == "finishing" else STOP_WAIT_S
             if time.monotonic() - _TERMINATING[0] > limit:

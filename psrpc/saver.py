@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as PyTimeout
 from typing import Callable, Optional
 
+from psrpc.errors import first_line
 from psrpc import checkpoint
 from psrpc.cluster import comm
 from psrpc.config import rpc_timeout_s
@@ -118,7 +119,7 @@ class CheckpointSaver(Hook):
             infos = [f.wait() for f in futures]
         except Exception as e:  # the group changed (a rank joined again) while it waited
             log.warning("checkpoint step %d not made (%s); keeping the last one", step,
-                        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                        first_line(e))
             return False
         missing = [f"ps{self.layout.shard_ps[k]}/shard{k}" if k < self.dense  # not always ps{k}
                    else f"ps{k - self.dense}/tables" for k, info in enumerate(infos) if info is None]

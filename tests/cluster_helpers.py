@@ -2,7 +2,7 @@
 
 import torch
 
-from psrpc.worker import Worker
+from psrpc.worker.data_parallel import Worker
 
 
 def integer_grad(worker: int, step: int, numel: int) -> torch.Tensor:

@@ -3,7 +3,8 @@ from any map-style dataset, in this process or in DataLoader processes)."""
 
 import torch
 
-from psrpc.data import GlobalBatches, synthetic
+from psrpc.data import synthetic
+from psrpc.worker.batches import GlobalBatches
 
 
 def test_global_batch_is_the_same_samples_whatever_the_worker_count():
@@ -48,7 +49,7 @@ def test_loader_is_the_same_batches_whatever_the_processes_and_worker_count():
     """Per-sample randomness (augmentation) is seeded by (seed, epoch, index): a batch is the
     same in this process or in DataLoader processes, and W workers' slices make one worker's
     batch; steps may come in any order (a restart of the loader)."""
-    from psrpc.loader import StepBatches
+    from psrpc.worker.loader import StepBatches
 
     cpu = torch.device("cpu")
     one = StepBatches(_Augmented(), GlobalBatches(50, 8, 1), 0, 8, cpu, 0, seed=1)
@@ -67,7 +68,7 @@ def test_loader_is_the_same_batches_whatever_the_processes_and_worker_count():
 def test_a_tensor_dataset_is_indexed_a_batch_at_a_time():
     from torch.utils.data import TensorDataset
 
-    from psrpc.loader import fetch
+    from psrpc.worker.loader import fetch
 
     ds = TensorDataset(torch.arange(10.0).view(5, 2), torch.arange(5))
     x, y = fetch(ds, torch.tensor([3, 1]))

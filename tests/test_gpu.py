@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from psrpc.worker import pick_device
+from psrpc.worker.replica import pick_device
 from tests.conftest import CPU, FAST, compose, on_cpu, run_cluster
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -17,7 +17,7 @@ def test_failing_rank_brings_the_run_down_with_its_error(tmp_path, update):
     cfg = compose(FAST + [f"update={update}", "train.steps=1000", "update.timeout_s=60"])
     t0 = time.monotonic()
     with pytest.raises(ClusterFailed, match=r"worker1 failed: .*worker1 hit a bug at step 5"):
-        launch(cfg, tmp_path, timeout_s=100, worker_cls=FailingWorker)
+        launch(cfg, tmp_path, timeout_s=100, replica_cls=FailingWorker)
     assert time.monotonic() - t0 < 30  # promptly: not after update.timeout_s or the steps
     assert not (tmp_path / "summary.json").exists()
 

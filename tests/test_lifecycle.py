@@ -23,7 +23,7 @@ def test_workers_time_out_waiting_for_the_chief_with_a_clear_message(tmp_path):
     cfg = compose(FAST + ["cluster.init_timeout_s=5"])
     with pytest.raises(ClusterFailed, match=r"worker1: no plan from the chief \(worker0\) after "
                                             r"waiting up to 5 s \(cluster.init_timeout_s\)"):
-        launch(cfg, tmp_path, timeout_s=60, worker_cls=SlowChiefWorker)
+        launch(cfg, tmp_path, timeout_s=60, replica_cls=SlowChiefWorker)
 
 
 @pytest.mark.parametrize("mode", [

@@ -20,7 +20,7 @@ def test_master_copy_is_start_minus_every_applied_update(tmp_path, update):
     cfg = compose(FAST + [f"update={update}", f"cluster.num_workers={W}", "cluster.num_ps=2",
                           f"train.steps={steps}", "train.log_every=100", "optim.lr=1.0",
                           "optim.momentum=0.0"])
-    launch(cfg, tmp_path, timeout_s=240, worker_cls=IntegerGradWorker)
+    launch(cfg, tmp_path, timeout_s=240, replica_cls=IntegerGradWorker)
     summary, state = read_outputs(tmp_path)
     assert summary["steps"] == steps and summary["stale_dropped"] == 0
 

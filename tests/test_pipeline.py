@@ -7,7 +7,7 @@ from torch import nn
 
 from psrpc.errors import ConfigError
 from psrpc.models import mlp as make_mlp
-from psrpc.pipeline import cut_points
+from psrpc.models.stages import cut_points
 from tests.conftest import MNIST_ROOT, assert_same_model, models_differ, run_cluster
 
 pytestmark = pytest.mark.timeout(300)

@@ -153,3 +153,14 @@ class EmbeddingTables(nn.Module):
         clone.client = self.client
         memo[id(self)] = clone
         return clone
+
+
+class DryRows:
+    """Zeros for any row: for the check before start, which runs a batch through the model
+    with no server to ask."""
+
+    def __init__(self, specs: list[TableSpec]):
+        self.specs = {s.name: s for s in specs}
+
+    def pull(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: torch.zeros(r.numel(), self.specs[n].dim) for n, r in rows.items()}

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-from psrpc.data import GlobalBatches
+from psrpc.worker.batches import GlobalBatches
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

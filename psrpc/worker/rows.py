@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from psrpc.cluster import comm
-from psrpc.errors import PsrpcError
+from psrpc.errors import PsrpcError, first_line
 from psrpc.sparse.rows import Partition, TableSpec
 
 
@@ -47,7 +47,7 @@ class RowClient:
             except Exception as e:
                 raise PsrpcError(f"worker{self.worker}: pulling rows from "
                                  f"{comm.owner_name(self.shards[k])} failed: "
-                                 f"{str(e).strip().splitlines()[0]}") from e
+                                 f"{first_line(e)}") from e
             for name, (pos, _) in per[k].items():
                 out[name][pos] = got[name]
         return out
@@ -67,14 +67,3 @@ class RowClient:
                             {n: (local, grads[n][1][pos]) for n, (pos, local) in parts.items()},
                             loss, samples, ticket, timeout_s=self.timeout_s)
                 for k, parts in enumerate(per)]
-
-
-class DryRows:
-    """Zeros for any row: for the check before start, which runs a batch through the model
-    with no server to ask."""
-
-    def __init__(self, specs: list[TableSpec]):
-        self.specs = {s.name: s for s in specs}
-
-    def pull(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: torch.zeros(r.numel(), self.specs[n].dim) for n, r in rows.items()}

@@ -1,0 +1,213 @@
+"""The data-parallel worker loop: the whole model, its slice of every global batch.
+
+One step: take this replica's rows of the global batch of its data step; forward (under
+autocast with train.amp) and backward on the worker's device (gradients land in flat per-shard
+buffers); one `push_pull` per shard, all in flight at once (each as soon as backward completes
+it); copy the returned parameters in.
+
+The data step: in sync, the global step (shard 0's version), so a resumed or stale worker always
+knows where it is and W workers of batch B see exactly what one worker of batch W·B sees. In
+async, each worker walks the global batches at its own pace: its n-th push takes its slice of
+global batch start/W + n (start: the step training resumed from), so its batches can be loaded
+ahead and do not depend on timing; with one worker this is the global step again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+
+from psrpc.cluster import comm, membership
+from psrpc.cluster.topology import Topology
+from psrpc.cluster.wire import WIRE_DTYPES, Reply
+from psrpc.config import Config
+from psrpc.factories import Data
+from psrpc.sparse.tables import find_tables
+from psrpc.worker.client import ShardClient
+from psrpc.worker.flat import FlatModel
+from psrpc.worker.plan import Plan
+from psrpc.worker.replica import Replica, await_change, load_buffers, model_buffers
+from psrpc.worker.rows import RowClient
+
+
+class Worker(Replica):
+    """A data-parallel worker: the whole model, its slice of every global batch."""
+
+    def __init__(self, cfg: Config, topo: Topology, plan: Plan, model=None,
+                 dataset: Optional[Data] = None):
+        super().__init__(cfg, topo, plan, dataset)
+        self.index = topo.index
+        self.model = (model or self.build_model(cfg, self.data)).to(self.device)
+        load_buffers(self.model, plan.buffers)
+        self.flat = FlatModel(self.model, plan.layouts[0], self.device,
+                              WIRE_DTYPES[cfg.update.wire_dtype], plan.shm_for(0, self.index))
+        self.client = ShardClient(plan.shards[0], self.index)
+        # Embedding tables live on the PS: the model's look their rows up there.
+        self.tables = find_tables(self.model)
+        self.rows = (RowClient(plan.table_shards, plan.table_specs, plan.partition, self.index)
+                     if self.tables else None)
+        for t in self.tables:
+            t.bind(self.rows)
+        self.table_versions: list[int] = []
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """This replica's buffers (BatchNorm statistics: not parameters, so not on the PS)."""
+        return {n: b.detach().cpu().clone() for n, b in model_buffers(self.model).items()}
+
+    def load(self, replies: list[Reply]) -> list[int]:
+        for k, r in enumerate(replies):
+            self.flat.load(k, r.params)
+        if self.rows is not None:  # the table shards' versions (their rows are pulled per batch)
+            self.table_versions = [r.version for r in self.rows.pull_versions()]
+        return [r.version for r in replies]
+
+    def receive(self, futures: list) -> list[Reply]:
+        """Wait for each shard's reply and copy it in at once, while later ones still arrive;
+        then the table shards' replies (after the dense ones in `futures`)."""
+        dense = len(self.flat.params)
+        replies = []
+        for k, fut in enumerate(futures[:dense]):
+            (reply,) = self.client.wait([fut], first=k)
+            self.flat.load(k, reply.params)
+            replies.append(reply)
+        if self.rows is not None:
+            tables = comm.wait_all(futures[dense:])
+            self.table_versions = [r.version for r in tables]
+            replies[0] = replace(replies[0], skipped=replies[0].skipped or any(
+                r.skipped for r in tables))
+        return replies
+
+    def step(self, step: int, versions: list[int]) -> tuple[float, Optional[list]]:
+        """Forward and backward on this worker's rows of global batch `step`, pushing each shard
+        as soon as backward completes it. Returns the loss and the push Futures; None when the
+        staleness clock did not admit the gradient (`self.finished` says whether training is
+        over; otherwise it was too stale)."""
+        x, y = self.batches.get(step)
+        self.flat.zero_grad()
+        self.flat.ready()
+        loss = self.forward_loss(self.model, x, y)
+        value = loss.item()
+        futures: list = [None] * len(versions)
+        ticket = None
+
+        def push(k: int) -> None:  # once shard k's gradient is on the host (at once on CPU)
+            self.flat.send(k, lambda g: futures.__setitem__(
+                k, self.client.push_one(k, versions[k], g, value, self.batch, ticket)))
+
+        # Every gradient is needed before the first push for a NaN injection, the clock's
+        # ticket (bounded staleness) and clipping by norm; otherwise shards go out as backward
+        # fills them.
+        nan = self.faults.nan_due(versions[0])  # fault.* count global steps
+        clip = self.cfg.train.clip_grad_norm
+        overlap = not (nan or self.bounded or clip)
+        if overlap:
+            self.flat.arm(push)
+        self.faults.before_backward(versions[0])
+        loss.backward()
+        rest = self.flat.disarm() if overlap else list(range(len(versions)))
+        table_grads = self.table_gradients()
+        if nan:
+            self.faults.corrupt(versions[0], self.flat.all_grads() + [g for _, g in
+                                                               table_grads.values()])
+        if clip:  # this worker's own gradient norm (the round averages clipped gradients)
+            torch.nn.utils.clip_grad_norm_(
+                list(self.model.parameters()) + [_Grad(g) for _, g in table_grads.values()],
+                clip)
+        if self.bounded:
+            # After a pull the shards' versions can differ (tickets still in flight): the
+            # oldest one bounds this gradient's staleness on every shard.
+            admitted = self.client.admit(self.clock, min(versions + self.table_versions))
+            if admitted.seq is None:
+                self.finished = admitted.finished
+                return value, None
+            ticket = admitted.seq
+        for k in rest:  # shards with unused parameters, or all of them (see above)
+            push(k)
+        self.flat.flush()
+        if self.rows is not None:  # every table shard, after backward has reached the tables
+            futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
+                                            ticket)
+        return value, futures
+
+    def table_gradients(self) -> dict:
+        """{table: (unique global rows, row gradients)} of the last backward."""
+        grads = {}
+        for t in self.tables:
+            grads.update(t.take_gradients())
+        return grads
+
+    def rebind(self, plan: Plan) -> None:
+        """A new membership epoch: the same shards (or, after a roll back, restored ones)
+        through new references."""
+        self.plan = plan
+        self.client = ShardClient(plan.shards[0], self.index)
+        self.clock = plan.shards[0][0]
+        if self.tables:
+            self.rows = RowClient(plan.table_shards, plan.table_specs, plan.partition,
+                                  self.index)
+            for t in self.tables:
+                t.bind(self.rows)
+        if plan.rolled_back_to is not None:
+            load_buffers(self.model, plan.buffers)
+
+    def rejoin(self) -> tuple[list[Reply], list[int]]:
+        """Join the new membership epoch's group, take its plan, pull the parameters."""
+        epoch = membership.rejoin()
+        self.rebind(self.plan_source(epoch))
+        self._data_step = None  # async: from the current version again
+        replies = self.client.pull()
+        return replies, self.load(replies)
+
+    def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
+        """Train until the shards say training is finished. `after_step` is the chief's hook;
+        it returns True to end training at once. A membership change (a rank started again)
+        is met at the next step, or by the RPC that the old group's end broke: the step is
+        done again in the new epoch."""
+        self.finished = False
+        replies: Optional[list[Reply]] = None  # none yet: pull first
+        while replies is None or not replies[0].finished:
+            if replies is None or membership.changing():
+                try:  # (the first pull too: a rank can be started again before it)
+                    if membership.changing():
+                        replies, versions = self.rejoin()
+                    else:
+                        replies = self.client.pull()
+                        versions = self.load(replies)
+                except Exception as e:
+                    await_change(e)  # returns once the change is announced: rejoin
+                continue
+            t0 = time.perf_counter()
+            step = self.data_step(versions[0])
+            try:
+                loss, futures = self.step(step, versions)
+                t1 = time.perf_counter()
+                if futures is None:  # not admitted: training is over, or pull fresher params
+                    if self.finished:
+                        break
+                    replies = self.client.pull()
+                    versions = self.load(replies)
+                    continue
+                replies = self.receive(futures)
+            except Exception as e:
+                await_change(e)
+                continue
+            self.next_data_step()
+            t2 = time.perf_counter()
+            versions = [r.version for r in replies]
+            self.stats.pushes += 1
+            self.stats.accepted += int(replies[0].accepted)
+            self.stats.compute_s += t1 - t0
+            self.stats.push_s += t2 - t1
+            self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
+            if after_step(replies[0], t2 - t1, loss):
+                break
+
+
+class _Grad:
+    """A tensor seen as a parameter whose .grad it is (for clip_grad_norm_)."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad
