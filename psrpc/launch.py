@@ -139,7 +139,7 @@ def process_context():
 
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first optimizer a PS builds imports it (about 1 s on 2 cores, per rank)
-    ctx.set_forkserver_preload(["psrpc.process", "psrpc.chief", "psrpc.worker.data_parallel", "torch._dynamo"])
+    ctx.set_forkserver_preload(["psrpc.process", "torch._dynamo"])  # process: every role's code
     with env_defaults():  # the server and every rank forked from it; not this process
         forkserver.ensure_running()
     if not _HELPERS_STOP_AT_EXIT:

@@ -19,6 +19,10 @@ import torch
 
 from psrpc.cluster import comm, membership
 from psrpc.ps import service
+from psrpc.session import chief
+from psrpc.session.chief import STOP_WAIT_S, Chief
+from psrpc.worker.data_parallel import Worker
+from psrpc.worker.pipeline import PipelineLeader
 from psrpc.config import Config, rpc_timeout_s
 from psrpc.errors import PsrpcError, first_line
 from psrpc.cluster.topology import Topology
@@ -31,13 +35,12 @@ _GRACEFUL = [True]
 _TERMINATING: list[float] = []  # when SIGTERM/SIGINT arrived
 PING_EVERY_S = 5.0
 # After SIGTERM, how long a PS or worker waits for the chief's stop. While the chief still
-# trains it gets STOP_WAIT_S to end its step; a chief stuck longer (say at a sync barrier for a
+# trains it gets STOP_WAIT_S (psrpc/session/chief.py) to end its step; a chief stuck longer (say at a sync barrier for a
 # dead worker) is left, so that it fails and the launcher or torchrun can restart the group.
 # Once the chief is finishing, its final checkpoint and model.pt need the shards (and the
 # pipeline stages' buffers): no rank leaves first. TERMINATE_WAIT_S is longer than the local
 # launcher's SIGNAL_GRACE_S and torchrun's 30 s, so those decide, not this timer. A chief that
 # stops answering ends the wait at once.
-STOP_WAIT_S = 8.0
 TERMINATE_WAIT_S = 60.0
 
 
@@ -115,8 +118,6 @@ def _on_terminate(signum, frame) -> None:
     if _TERMINATING:
         os._exit(128 + signum)
     _TERMINATING.append(time.monotonic())
-    from psrpc import chief
-
     chief.stop_at_next_step()
 
 
@@ -161,9 +162,6 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
 
 def replica_class(parallel: str):
     """The training loop each replica leader runs, by `parallel=` (a registry, not an if)."""
-    from psrpc.worker.pipeline import PipelineLeader
-    from psrpc.worker.data_parallel import Worker
-
     loops = {"data": Worker, "model": PipelineLeader}
     try:
         return loops[parallel]
@@ -172,12 +170,10 @@ def replica_class(parallel: str):
 
 
 def _run_chief(cfg: Config, topo: Topology, out_dir: Path, replica_cls) -> bool:
-    from psrpc.chief import Chief
-
-    chief = Chief(cfg, topo, out_dir, replica_cls)
-    chief.run()
-    graceful = not chief.lost
-    lost = {f"worker{w}" for w in chief.lost}
+    session = Chief(cfg, topo, out_dir, replica_cls)
+    session.run()
+    graceful = not session.lost
+    lost = {f"worker{w}" for w in session.lost}
     peers = [n for n in topo.ps_names + topo.worker_names[1:] if n not in lost]
     for name, fut in [(n, comm.call(n, stop_serving, (graceful,), timeout_s=10)) for n in peers]:
         try:
@@ -189,8 +185,6 @@ def _run_chief(cfg: Config, topo: Topology, out_dir: Path, replica_cls) -> bool:
 
 def fetch_plan(cfg: Config, topo: Topology, epoch: int):
     """The chief's plan for membership epoch `epoch` (it answers once the shards are ready)."""
-    from psrpc import chief
-
     try:
         return comm.call_sync(topo.chief_name, chief.get_plan, (epoch,),
                               timeout_s=cfg.cluster.init_timeout_s)
@@ -202,8 +196,6 @@ def fetch_plan(cfg: Config, topo: Topology, epoch: int):
 
 
 def _run_worker(cfg: Config, topo: Topology, replica_cls) -> None:
-    from psrpc import chief
-
     worker = replica_cls(cfg, topo, fetch_plan(cfg, topo, membership.current()))
     worker.plan_source = lambda epoch: fetch_plan(cfg, topo, epoch)
     worker.run()
@@ -212,8 +204,6 @@ def _run_worker(cfg: Config, topo: Topology, replica_cls) -> None:
 
 def _wait_for_stop(topo: Topology) -> bool:
     """Serve RPCs until the chief says stop; give up if the chief stops answering."""
-    from psrpc import chief
-
     membership.wake_on_change(_WAKE)
     while not _STOP.is_set():
         _WAKE.wait(1.0 if _TERMINATING else PING_EVERY_S)

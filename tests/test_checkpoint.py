@@ -235,7 +235,7 @@ def test_committed_step_is_never_overwritten_by_a_later_run(tmp_path, caplog):
 def _saver(root, start_step=0, every_steps=3):
     from types import SimpleNamespace as NS
 
-    from psrpc.saver import CheckpointSaver
+    from psrpc.session.saver import CheckpointSaver
 
     cfg = NS(checkpoint=NS(dir=str(root), every_steps=every_steps, every_s=0, keep=5),
              model={"_target_": "psrpc.models.mlp"}, optim=NS(name="sgd"), update=NS(name="sync"),
@@ -335,7 +335,7 @@ def test_restored_buffers_must_be_the_models(caplog):
 
     from torch import nn
 
-    from psrpc.bootstrap import restored_buffers
+    from psrpc.session.bootstrap import restored_buffers
     from psrpc.errors import PsrpcError
 
     cfg = NS(checkpoint=NS(dir="ck"))
@@ -415,7 +415,7 @@ def test_saver_asks_for_steps_in_increasing_order(monkeypatch):
     from types import SimpleNamespace as NS
 
     from psrpc.hooks import StepInfo
-    from psrpc.saver import CheckpointSaver
+    from psrpc.session.saver import CheckpointSaver
 
     cfg = NS(checkpoint=NS(dir="unused", every_steps=10, every_s=1e-9, keep=2),
              model={"_target_": "psrpc.models.mlp"}, optim=NS(name="sgd"), update=NS(name="async"),

@@ -18,15 +18,14 @@ from typing import Optional
 import torch
 
 from psrpc.cluster import comm, membership
-from psrpc import outputs
-from psrpc.bootstrap import bootstrap
+from psrpc.session import outputs
+from psrpc.session.bootstrap import bootstrap
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
-from psrpc.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
+from psrpc.session.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
                          default_hooks)
-from psrpc.process import STOP_WAIT_S
 from psrpc.ps import service
-from psrpc.saver import build_saver
+from psrpc.session.saver import build_saver
 from psrpc.cluster.wire import Reply
 from psrpc.cluster.topology import Topology
 from psrpc.worker.data_parallel import Worker
@@ -35,6 +34,9 @@ from psrpc.worker.plan import Plan
 log = logging.getLogger("psrpc")
 
 _PLANS: dict[int, torch.futures.Future] = {}  # membership epoch -> its Plan (or the error)
+# After SIGTERM, how long the chief waits for the others to end their step, and a PS or worker
+# for the chief's stop while it still trains (psrpc/process.py).
+STOP_WAIT_S = 8.0
 _PLANS_LOCK = threading.Lock()
 _DONE: dict[int, dict] = {}  # worker index -> its stats, as workers finish
 _DONE_LOCK = threading.Condition()
@@ -137,7 +139,7 @@ class Chief:
         from dataclasses import replace
 
         from psrpc import checkpoint
-        from psrpc.bootstrap import create_shards, create_table_shards, initial_state
+        from psrpc.session.bootstrap import create_shards, create_table_shards, initial_state
 
         restored = checkpoint.find_latest(self.cfg.checkpoint.dir)
         if restored is None:

@@ -23,7 +23,7 @@ from psrpc.errors import first_line
 from psrpc import checkpoint
 from psrpc.cluster import comm
 from psrpc.config import rpc_timeout_s
-from psrpc.hooks import Hook, StepInfo
+from psrpc.session.hooks import Hook, StepInfo
 
 log = logging.getLogger("psrpc")
 
