@@ -31,7 +31,7 @@ def bench_config(name: str, argv: list[str]):
 def psrpc_config(overrides: list[str], **factories):
     """The typed psrpc Config that `python -m psrpc <overrides>` would run, checked."""
     from psrpc.api import compose
-    from psrpc.factories import check_run
+    from psrpc.validate import check_run
 
     cfg = compose(list(overrides), cwd=str(ROOT), **factories)
     check_run(cfg)

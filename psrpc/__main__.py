@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import psrpc
@@ -23,12 +24,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from psrpc import api
 from psrpc.cluster import slurm
-from psrpc.config import register_configs, resolve_paths, stages, to_config, validate
-from psrpc.errors import PsrpcError
-from psrpc.factories import check_run
 from psrpc.cluster.launchers import launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
+from psrpc.config import register_configs, to_config
+from psrpc.errors import PsrpcError
+from psrpc.process import setup_logging
+from psrpc.validate import check_run, check_values, resolve_paths
 
 
 def _run_dir(base: str) -> str:
@@ -37,8 +40,6 @@ def _run_dir(base: str) -> str:
     run_id = shared_run_id()
     if run_id:
         return f"{base}/{run_id}"
-    from datetime import datetime
-
     port = os.environ.get("MASTER_PORT") if "RANK" in os.environ else None
     stamp = datetime.now().strftime("%Y-%m-%d/%H-%M" if port else "%Y-%m-%d/%H-%M-%S")
     return f"{base}/{stamp}" + (f"-port{port}" if port else "")
@@ -62,30 +63,19 @@ def main(dcfg: DictConfig) -> None:
     try:
         cfg = to_config(dcfg)
         resolve_paths(cfg)
-        validate(cfg)
+        check_values(cfg)
         check_run(cfg)
         out_dir = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
-        topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg),
-                                 cfg.cluster.interface)
+        topo = Topology.from_config(cfg)
         if topo.rank is None:
-            from psrpc.launch import launch
-            from psrpc.process import setup_logging
-
             setup_logging("launcher", None)
-
-            lost = launch(cfg, out_dir)
-            print(f"psrpc: outputs in {out_dir}" + (f" ({', '.join(lost)} lost)" if lost else ""),
-                  file=sys.stderr)
-        else:
+        elif HydraConfig.get().mode == RunMode.MULTIRUN and not topo.submitit:
             # A submitit task runs its rank of one job of the sweep; torchrun's and srun's
             # ranks would each run the whole sweep
-            if HydraConfig.get().mode == RunMode.MULTIRUN and not topo.submitit:
-                raise PsrpcError("multirun (-m) under torchrun or srun would run the whole sweep "
-                                 "on every rank: run sweeps with the local launcher (python -m "
-                                 "psrpc -m ...) or Hydra's submitit launcher (README: SLURM)")
-            from psrpc.process import run_rank
-
-            run_rank(cfg, topo, out_dir)
+            raise PsrpcError("multirun (-m) under torchrun or srun would run the whole sweep "
+                             "on every rank: run sweeps with the local launcher (python -m "
+                             "psrpc -m ...) or Hydra's submitit launcher (README: SLURM)")
+        api.run(cfg, out_dir, topo=topo)
     except PsrpcError as e:
         print(f"psrpc: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -10,21 +10,31 @@
 
 Without RANK in the environment it runs the whole local cluster (as `python -m psrpc`); under
 torchrun (`torchrun --nproc-per-node=3 my_script.py`) each process joins as its rank, and the
-chief's call returns the summary (the others return None).
+chief's call returns the summary (the others return None). A script that calls `train` needs
+`if __name__ == "__main__":` around it, as any program that starts processes does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from psrpc.config import Config
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+from psrpc.cluster.topology import Topology
+from psrpc.config import Config, register_configs, to_config
+from psrpc.launch import launch
+from psrpc.process import run_rank
+from psrpc.validate import check_run, check_values, resolve_paths
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 Factory = Union[str, dict, None]
+log = logging.getLogger("psrpc")
 
 
 def compose(overrides: Sequence[str] = (), config_dir: Optional[str] = None,
@@ -32,10 +42,6 @@ def compose(overrides: Sequence[str] = (), config_dir: Optional[str] = None,
     """The typed, checked Config that `python -m psrpc <overrides>` would run. `config_dir`
     adds a folder of your own config groups (as the CLI's -cd); `model=`, `data=`, `loss=`,
     `metric=` replace those nodes: an import path, or a dict with `_target_` and arguments."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from psrpc.config import register_configs, resolve_paths, to_config, validate
-
     register_configs()
     overrides = list(overrides)
     if config_dir:
@@ -47,7 +53,7 @@ def compose(overrides: Sequence[str] = (), config_dir: Optional[str] = None,
         if spec is not None:
             setattr(cfg, key, {"_target_": spec} if isinstance(spec, str) else dict(spec))
     resolve_paths(cfg, cwd)
-    validate(cfg)
+    check_values(cfg)
     return cfg
 
 
@@ -57,28 +63,21 @@ def train(overrides: Sequence[str] = (), *, model: Factory = None, data: Factory
     """Train; returns summary.json's content (None on a non-chief rank under torchrun). Bad
     input raises psrpc.errors.PsrpcError (one clear message) before any process starts; a
     failed run raises psrpc.launch.ClusterFailed naming the rank."""
-    from psrpc.factories import check_run
-
     cfg = compose(overrides, config_dir, model=model, data=data, loss=loss, metric=metric)
     check_run(cfg)
     out_dir = Path(cfg.out_dir or Path("outputs") / datetime.now().strftime("%Y-%m-%d/%H-%M-%S"))
     return run(cfg, out_dir, timeout_s)
 
 
-def run(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None) -> Optional[dict]:
-    """The local cluster, or this process's rank under torchrun; the chief's summary."""
-    from psrpc.config import stages
-    from psrpc.cluster.topology import Topology
-
-    topo = Topology.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, stages(cfg),
-                             cfg.cluster.interface)
+def run(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
+        topo: Optional[Topology] = None) -> Optional[dict]:
+    """The local cluster (no launcher started this process), or this process's rank under
+    torchrun, srun or submitit; the chief's summary, None on the other ranks."""
+    topo = topo or Topology.from_config(cfg)
     if topo.rank is None:
-        from psrpc.launch import launch
-
-        launch(cfg, out_dir, timeout_s=timeout_s)
+        lost = launch(cfg, out_dir, timeout_s=timeout_s)
+        log.info("outputs in %s%s", out_dir, f" ({', '.join(lost)} lost)" if lost else "")
     else:
-        from psrpc.process import run_rank
-
         run_rank(cfg, topo, out_dir)
         if not topo.is_chief:
             return None

@@ -32,9 +32,9 @@ from typing import Optional
 
 from psrpc.cluster import comm, membership, netif, shm
 from psrpc import env_defaults
-from psrpc.config import Config, stages
+from psrpc.config import Config
 from psrpc.errors import ConfigError, PsrpcError
-from psrpc.cluster.topology import Topology
+from psrpc.cluster.topology import Topology, pipeline_stages
 
 log = logging.getLogger("psrpc")
 # User's SIGTERM/SIGINT: how long the chief gets to end its step, commit the final checkpoint
@@ -189,7 +189,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     checkpoint, as TensorFlow's MonitoredTrainingSession does (counted in max_ps_restarts too)."""
     P, W = cfg.cluster.num_ps, cfg.cluster.num_workers
     port = choose_port(cfg)
-    topo = Topology(P, W, master_addr="127.0.0.1", master_port=port, stages=stages(cfg),
+    topo = Topology(P, W, master_addr="127.0.0.1", master_port=port, stages=pipeline_stages(cfg),
                     interface=local_interface(cfg), shm_run=shm.new_run())
     store = comm.host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
     try:

@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from psrpc.cluster import comm, membership
+from psrpc.cluster.comm import rpc_timeout_s
 from psrpc.ps import service
 from psrpc.session import chief
 from psrpc.session.chief import STOP_WAIT_S, Chief
 from psrpc.worker.data_parallel import Worker
 from psrpc.worker.pipeline import PipelineLeader
-from psrpc.config import Config, rpc_timeout_s
+from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line
 from psrpc.cluster.topology import Topology
 

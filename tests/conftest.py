@@ -43,7 +43,7 @@ def compose(overrides=(), check: bool = True, **factories):
     """The typed Config that `python -m psrpc <overrides>` would run (on CPU unless the
     overrides choose a device), checked as the CLI checks it before starting."""
     from psrpc.api import compose as psrpc_compose
-    from psrpc.factories import check_run
+    from psrpc.validate import check_run
 
     cfg = psrpc_compose(on_cpu(overrides), cwd=str(ROOT), **factories)
     if check:

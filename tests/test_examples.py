@@ -11,7 +11,7 @@ EXAMPLES = ["-cd", "examples/conf"]
 
 def _run(tmp_path, experiment: str, overrides: list[str]):
     """`python -m psrpc -cd examples/conf +experiment=<name> <overrides>`, through the API."""
-    from psrpc.factories import check_run
+    from psrpc.validate import check_run
     from psrpc.launch import launch
 
     cfg = compose([f"+experiment={experiment}", "train.device=cpu"] + overrides,

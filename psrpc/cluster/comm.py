@@ -33,6 +33,9 @@ _SCHEME = "psrpc"
 # (same host), mpt_uv (many TCP connections), basic. Only CPU tensors cross psrpc's RPCs; naming
 # the channels leaves out the CUDA ones that TensorPipe otherwise adds where CUDA is visible, and
 # whose cuda_ipc aborts the handshake between two hosts (PyTorch issue 95487).
+# TensorPipe's transports in torch 2.x (its agent raises "Unknown transport" for any other name):
+# TCP via libuv, shared memory on one host, InfiniBand verbs (needs an IB device).
+TRANSPORTS = ("uv", "shm", "ibv")
 CPU_CHANNELS = ("cma", "mpt_uv", "basic")
 
 
@@ -286,3 +289,10 @@ def wait_all(futures: Sequence[Future]) -> list:
 def _t(timeout_s: Optional[float]) -> float:
     # rpc's "use the default" sentinel; never 0, which now means "fail at once".
     return rpc.constants.UNSET_RPC_TIMEOUT if timeout_s is None else float(timeout_s)
+
+
+def rpc_timeout_s(cfg) -> float:
+    """Per-call RPC timeout: above update.timeout_s, since calls wait at the barrier."""
+    if cfg.cluster.rpc_timeout_s is not None:
+        return float(cfg.cluster.rpc_timeout_s)
+    return float(cfg.update.timeout_s) + 60.0

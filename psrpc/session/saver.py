@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from psrpc.errors import first_line
 from psrpc import checkpoint
 from psrpc.cluster import comm
-from psrpc.config import rpc_timeout_s
+from psrpc.cluster.comm import rpc_timeout_s
 from psrpc.session.hooks import Hook, StepInfo
 
 log = logging.getLogger("psrpc")
