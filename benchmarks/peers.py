@@ -17,9 +17,9 @@ import torch
 
 from psrpc import factories
 from psrpc.config import Config
+from psrpc.ps.optim import build_optimizer
 from psrpc.worker.batches import GlobalBatches
 from psrpc.worker.loader import StepBatches, fetch
-from psrpc.ps.optim import build_optimizer
 
 
 def _free_port() -> int:

@@ -13,9 +13,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-import psrpc
+from psrpc.environment import apply_env_defaults
 
-psrpc.apply_env_defaults()  # before torch loads: this process is psrpc's own
+apply_env_defaults()  # before torch loads: this process is psrpc's own
 
 
 import hydra

@@ -55,7 +55,7 @@ _FILES = {
 
 def _torchvision(cls_name: str, root: str, download: bool, mean, std) -> dict:
     """A torchvision dataset as whole normalised tensors (indexed a batch at a time)."""
-    import torchvision
+    import torchvision  # deferred: ~1 s to import, and only these datasets need it
 
     missing = [f for f in _FILES[cls_name] if not (Path(root) / f).is_file()]
     if missing and not download:

@@ -5,7 +5,7 @@ class PsrpcError(Exception):
     """An error the user can fix: the message names the key, path or value and what would be right."""
 
 
-class ConfigError(PsrpcError):
+class ConfigError(PsrpcError, ValueError):
     """A config value is out of range or inconsistent with another one."""
 
 
@@ -19,12 +19,13 @@ def require(ok: bool, key: str, value, allowed: str) -> None:
         raise ConfigError(f"{key}={value!r}: {allowed}")
 
 
-def one_of(registry: dict, name: str, key: str):
-    """registry[name], or a ConfigError naming the key, the value and the valid names."""
-    try:
-        return registry[name]
-    except KeyError:
-        raise ConfigError(f"{key}={name!r}: must be one of {sorted(registry)}") from None
+def one_of(choices, name, key: str):
+    """`choices[name]` from a registry (a dict), or `name` itself from a tuple of names; else a
+    ConfigError naming the key, the value and the valid names."""
+    if name in choices:
+        return choices[name] if isinstance(choices, dict) else name
+    valid = sorted(choices) if isinstance(choices, dict) else list(choices)
+    raise ConfigError(f"{key}={name!r}: must be one of {valid}")
 
 
 def first_line(e: BaseException) -> str:

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from hydra.utils import get_object
+from hydra.utils import instantiate as hydra_instantiate
 from torch.utils.data import Dataset
 
 from psrpc.errors import ConfigError, first_line
+from psrpc.sparse import tables
 
 RESERVED = {"data": ("num_workers",)}
 """Keys of a node that are psrpc's, not the factory's (data.num_workers: loader processes)."""
@@ -41,8 +44,6 @@ class Data:
 
 def locate(key: str, node: Any) -> Callable:
     """The callable `node['_target_']` names; a clear error when it is missing or does not import."""
-    from hydra.utils import get_object
-
     if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
         raise ConfigError(f"{key}: needs `_target_`, the import path of a factory "
                           f"(e.g. {key}._target_=my.pkg.make_{key}); got {node!r}")
@@ -68,8 +69,6 @@ def injected(sig: inspect.Signature, args: dict, context: dict) -> dict:
 
 def instantiate(key: str, node: dict, context: dict = {}) -> Any:
     """Call the factory with the config's arguments plus the context it asks for."""
-    from hydra.utils import instantiate as hydra_instantiate
-
     fn = locate(key, node)
     args = arguments(key, node)
     try:
@@ -111,8 +110,6 @@ def load_data(cfg) -> Data:
 def build_model(cfg, data: Data, remote_tables: bool = True) -> torch.nn.Module:
     """The model; its embedding tables (psrpc.sparse.EmbeddingTables) hold no rows unless
     `remote_tables` is False (a peer outside psrpc): psrpc keeps them on the PS."""
-    from psrpc.sparse import tables
-
     if remote_tables:
         with tables.remote_tables():
             model = instantiate("model", cfg.model, data.info)

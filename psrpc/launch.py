@@ -27,14 +27,18 @@ import threading
 import time
 import traceback
 from dataclasses import replace
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
 from psrpc.cluster import comm, membership, netif, shm
-from psrpc import env_defaults
-from psrpc.config import Config
-from psrpc.errors import ConfigError, PsrpcError
 from psrpc.cluster.topology import Topology, pipeline_stages
+from psrpc.config import Config
+from psrpc.environment import env_defaults
+from psrpc.errors import ConfigError, PsrpcError
+from psrpc.process import run_rank
 
 log = logging.getLogger("psrpc")
 # User's SIGTERM/SIGINT: how long the chief gets to end its step, commit the final checkpoint
@@ -97,8 +101,6 @@ def _die_with_launcher(pid: int, created: float) -> None:
     an orphan. The ranks' parent is multiprocessing's forkserver, which itself stays until every
     rank has left, so the parent-death signal cannot do this; a thread watches the launcher's
     pid (and its start time, so a reused pid does not count)."""
-    import psutil
-
     def watch():
         while True:
             time.sleep(LAUNCHER_WATCH_S)
@@ -118,8 +120,6 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_c
     """Entry of one rank's process (`launcher`: the launcher's pid and start time)."""
     _die_with_launcher(*launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
-    from psrpc.process import run_rank
-
     try:
         run_rank(cfg, topo, Path(out_dir), replica_cls)
     except BaseException as e:  # report once, then exit non-zero
@@ -135,8 +135,6 @@ def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_c
 
 def process_context():
     """The forkserver every psrpc process comes from (benchmarks start their peers from it too)."""
-    from multiprocessing import forkserver
-
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first optimizer a PS builds imports it (about 1 s on 2 cores, per rank)
     ctx.set_forkserver_preload(["psrpc.process", "torch._dynamo"])  # process: every role's code
@@ -156,8 +154,6 @@ def stop_helpers() -> None:
     wait for them (at exit: they are shared by every run and multirun job of this process).
     Left alone they leave only after the launcher has gone. multiprocessing has no public
     call for this: its private `_stop` when present, bounded; a helper still there is killed."""
-    from multiprocessing import forkserver, resource_tracker
-
     for helper, pid_attr in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid"),
                              (getattr(resource_tracker, "_resource_tracker", None), "_pid")):
         pid, stop = getattr(helper, pid_attr, None), getattr(helper, "_stop", None)
@@ -217,8 +213,6 @@ def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
 
 
 def _this_process() -> tuple[int, float]:
-    import psutil
-
     return os.getpid(), psutil.Process().create_time()
 
 

@@ -7,6 +7,7 @@ when nobody was lost; torch's graceful shutdown waits for every peer with no way
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -19,14 +20,14 @@ import torch
 
 from psrpc.cluster import comm, membership
 from psrpc.cluster.comm import rpc_timeout_s
+from psrpc.cluster.topology import Topology
+from psrpc.config import Config
+from psrpc.errors import PsrpcError, first_line, one_of
 from psrpc.ps import service
 from psrpc.session import chief
 from psrpc.session.chief import STOP_WAIT_S, Chief
 from psrpc.worker.data_parallel import Worker
 from psrpc.worker.pipeline import PipelineLeader
-from psrpc.config import Config
-from psrpc.errors import PsrpcError, first_line
-from psrpc.cluster.topology import Topology
 
 log = logging.getLogger("psrpc")
 
@@ -69,8 +70,6 @@ def name_process(name: str) -> None:
     """What ps, top, pgrep and /proc/<pid>/comm show for this process (Linux: 15 characters),
     so that a user or an operator's script can find and signal a given rank."""
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(15, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):  # not Linux: the name stays python
@@ -163,11 +162,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
 
 def replica_class(parallel: str):
     """The training loop each replica leader runs, by `parallel=` (a registry, not an if)."""
-    loops = {"data": Worker, "model": PipelineLeader}
-    try:
-        return loops[parallel]
-    except KeyError:
-        raise ValueError(f"parallel={parallel!r}: must be one of {sorted(loops)}") from None
+    return one_of({"data": Worker, "model": PipelineLeader}, parallel, "parallel")
 
 
 def _run_chief(cfg: Config, topo: Topology, out_dir: Path, replica_cls) -> bool:

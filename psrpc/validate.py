@@ -24,9 +24,9 @@ from psrpc.cluster.comm import TRANSPORTS
 from psrpc.cluster.topology import replicas
 from psrpc.cluster.wire import WIRE_DTYPE_NAMES
 from psrpc.config import Config
-from psrpc.errors import ConfigError, first_line, require
-from psrpc.factories import (arguments, build_loss, build_metric, build_model, injected,
-                             load_data, locate)
+from psrpc.errors import ConfigError, first_line, one_of, require
+from psrpc.factories import (arguments, build_loss, build_metric, build_model, injected, load_data,
+                             locate)
 from psrpc.models.stages import model_cuts
 from psrpc.ps.schedule import SCHEDULES
 from psrpc.sparse.optim import SPARSE_OPTIMIZERS
@@ -79,8 +79,7 @@ def check_values(cfg: Config) -> None:
            "cluster.rpc_timeout_s",
            c.rpc_timeout_s, f"must exceed update.timeout_s={u.timeout_s} (calls wait at the "
            "barrier that long), or be null")
-    require(u.wire_dtype in WIRE_DTYPE_NAMES, "update.wire_dtype", u.wire_dtype,
-           f"must be one of {list(WIRE_DTYPE_NAMES)}")
+    one_of(WIRE_DTYPE_NAMES, u.wire_dtype, "update.wire_dtype")
     if u.name == "sync":
         r = u.replicas_to_aggregate
         require(r is None or 1 <= r <= replicas(cfg), "update.replicas_to_aggregate", r,
@@ -96,7 +95,7 @@ def check_values(cfg: Config) -> None:
            "must be ≥ 0 (0: never stop)")
     require(t.eval_batch_size >= 1, "train.eval_batch_size", t.eval_batch_size, "must be ≥ 1")
     require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be ≥ 0 (0: only at the end)")
-    require(t.amp in AMP_DTYPES, "train.amp", t.amp, f"must be one of {list(AMP_DTYPES)}")
+    one_of(AMP_DTYPES, t.amp, "train.amp")
     require(t.clip_grad_norm is None or _finite(t.clip_grad_norm) and t.clip_grad_norm > 0,
            "train.clip_grad_norm", t.clip_grad_norm, "must be a number > 0, or null")
     require(t.device in ("auto", "cpu", "cuda"), "train.device", t.device,
@@ -154,8 +153,7 @@ def _validate_optim(o) -> None:
         require(len(o.betas) == 2 and all(_finite(b) and b < 1 for b in o.betas), "optim.betas",
                list(o.betas), "must be two numbers in [0, 1)")
         require(_finite(o.eps), "optim.eps", o.eps, "must be a finite number ≥ 0")
-    require(o.schedule in SCHEDULES, "optim.schedule", o.schedule,
-           f"must be one of {sorted(SCHEDULES)}")
+    one_of(SCHEDULES, o.schedule, "optim.schedule")
     require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be ≥ 0")
     require(o.step_size >= 1, "optim.step_size", o.step_size, "must be ≥ 1")
     require(_finite(o.gamma), "optim.gamma", o.gamma, "must be a finite number ≥ 0")
@@ -164,10 +162,8 @@ def _validate_optim(o) -> None:
 
 
 def _validate_sparse(sp) -> None:
-    require(sp.partition in Partition.STRATEGIES, "sparse.partition", sp.partition,
-           f"must be one of {list(Partition.STRATEGIES)}")
-    require(sp.optimizer in SPARSE_OPTIMIZERS, "sparse.optimizer", sp.optimizer,
-           f"must be one of {sorted(SPARSE_OPTIMIZERS)}")
+    one_of(Partition.STRATEGIES, sp.partition, "sparse.partition")
+    one_of(SPARSE_OPTIMIZERS, sp.optimizer, "sparse.optimizer")
     require(_finite(sp.lr), "sparse.lr", sp.lr, "must be a finite number ≥ 0")
     require(_finite(sp.eps), "sparse.eps", sp.eps, "must be a finite number ≥ 0")
     require(_finite(sp.weight_decay), "sparse.weight_decay", sp.weight_decay,

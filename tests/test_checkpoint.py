@@ -335,8 +335,8 @@ def test_restored_buffers_must_be_the_models(caplog):
 
     from torch import nn
 
-    from psrpc.session.bootstrap import restored_buffers
     from psrpc.errors import PsrpcError
+    from psrpc.session.bootstrap import restored_buffers
 
     cfg = NS(checkpoint=NS(dir="ck"))
     model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))

@@ -11,8 +11,8 @@ EXAMPLES = ["-cd", "examples/conf"]
 
 def _run(tmp_path, experiment: str, overrides: list[str]):
     """`python -m psrpc -cd examples/conf +experiment=<name> <overrides>`, through the API."""
-    from psrpc.validate import check_run
     from psrpc.launch import launch
+    from psrpc.validate import check_run
 
     cfg = compose([f"+experiment={experiment}", "train.device=cpu"] + overrides,
                   config_dir="examples/conf", cwd=str(ROOT))

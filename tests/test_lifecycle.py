@@ -134,8 +134,8 @@ def test_ranks_wait_for_the_chiefs_stop_while_it_answers(monkeypatch):
     """After SIGTERM a PS must stay while the chief writes its final checkpoint and model.pt
     from the shards: as long as the chief answers, for longer than the launchers' own grace
     (torchrun kills 30 s after its SIGTERM), so that the launcher decides, not this timer."""
-    from psrpc.cluster import comm
     from psrpc import process
+    from psrpc.cluster import comm
     from psrpc.cluster.topology import Topology
 
     pings = []
@@ -157,8 +157,8 @@ def test_ranks_wait_for_the_chiefs_stop_while_it_answers(monkeypatch):
 def test_ranks_leave_a_chief_stuck_in_training_after_the_signal(monkeypatch, caplog):
     """A chief that cannot end its step (e.g. at a barrier for a dead worker) is left, so that
     it fails and torchrun can restart the group without waiting for its SIGKILL."""
-    from psrpc.cluster import comm
     from psrpc import process
+    from psrpc.cluster import comm
     from psrpc.cluster.topology import Topology
 
     monkeypatch.setattr(comm, "call_sync", lambda *a, **k: "training")
@@ -169,10 +169,10 @@ def test_ranks_leave_a_chief_stuck_in_training_after_the_signal(monkeypatch, cap
 
 
 def test_ranks_leave_at_once_when_the_chief_is_gone(monkeypatch):
-    from psrpc.cluster import comm
     from psrpc import process
-    from psrpc.errors import PsrpcError
+    from psrpc.cluster import comm
     from psrpc.cluster.topology import Topology
+    from psrpc.errors import PsrpcError
 
     def ping(to, fn, *args, **kwargs):
         raise RuntimeError("connection refused")

@@ -5,8 +5,8 @@ which accumulates outside a lock, loses some of them.)"""
 import pytest
 import torch
 
-from psrpc.launch import launch
 from psrpc.factories import load_data
+from psrpc.launch import launch
 from tests.cluster_helpers import IntegerGradWorker, integer_grad
 from tests.conftest import FAST, compose, read_outputs
 

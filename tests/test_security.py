@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from psrpc.cluster import comm, netif
+from psrpc.cluster.topology import Topology
 from psrpc.errors import ConfigError
 from psrpc.launch import free_port, local_interface
-from psrpc.cluster.topology import Topology
 from tests.conftest import CPU, compose
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from psrpc.errors import PushRejected
-from tests.unit_helpers import admit, adam, asynch, make_shard, push, push_ticket, sync
+from tests.unit_helpers import adam, admit, asynch, make_shard, push, push_ticket, sync
 
 
 def _state(shard):

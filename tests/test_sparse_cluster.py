@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from psrpc.sparse import load_tables
-from tests.conftest import (MNIST_ROOT, assert_equal_model, assert_same_model, compose,
-                            run_cluster)
+from tests.conftest import MNIST_ROOT, assert_equal_model, assert_same_model, compose, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
 MOVIELENS = MNIST_ROOT / "ml-100k"  # ../shared/data/ml-100k

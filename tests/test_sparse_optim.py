@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from psrpc.sparse.optim import (SPARSE_OPTIMIZERS, LazyAdam, RowOptimizer, RowSGD,
-                                RowWiseAdagrad, build_sparse_optimizer)
+from psrpc.sparse.optim import (SPARSE_OPTIMIZERS, LazyAdam, RowOptimizer, RowSGD, RowWiseAdagrad,
+                                build_sparse_optimizer)
 
 R, DIM = 12, 5
 # (rows, lr) per step: overlapping sets, an unsorted one, and one with no rows at all

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from psrpc.errors import PushRejected
-from psrpc.sparse.rows import Partition, TableSpec
 from psrpc.ps.tables import TableShard, TableShardSpec
+from psrpc.sparse.rows import Partition, TableSpec
 from tests.unit_helpers import asynch, sgd, sync
 
 SPECS = [TableSpec("user", 10, 4), TableSpec("item", 7, 4, pooling="mean")]

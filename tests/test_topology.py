@@ -3,9 +3,9 @@
 import pytest
 
 from psrpc.cluster import netif
-from psrpc.errors import ConfigError
 from psrpc.cluster.launchers import launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
+from psrpc.errors import ConfigError
 
 
 def test_ranks_to_roles():

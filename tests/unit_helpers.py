@@ -5,7 +5,6 @@ import torch
 from psrpc.config import AdamConfig, AsyncUpdateConfig, SGDConfig, SyncUpdateConfig
 from psrpc.ps.shard import Shard, ShardSpec
 
-
 CONSTANT = dict(schedule="constant", warmup_steps=0, step_size=1000, gamma=0.1, min_lr=0.0)
 
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import secrets
 import socket
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Optional
 
@@ -42,8 +44,6 @@ SLOT = "slot"  # what a push carries instead of a gradient: "read my slot"
 
 def new_run() -> str:
     """A name for a run's segments."""
-    import secrets
-
     return f"{os.getpid()}x{secrets.token_hex(3)}"
 
 
@@ -67,8 +67,6 @@ def create(name: str, numel: int) -> None:
     finally:
         os.close(fd)
     try:
-        from multiprocessing import resource_tracker
-
         resource_tracker.register("/" + name, "shared_memory")
     except Exception:  # no tracker: the launcher's cleanup still removes it
         pass
@@ -87,8 +85,6 @@ def unlink(name: str) -> bool:
     except FileNotFoundError:
         return False
     try:
-        from multiprocessing import resource_tracker
-
         resource_tracker.unregister("/" + name, "shared_memory")
     except Exception:
         pass

@@ -34,7 +34,7 @@ def cnn(image_shape, num_classes: int) -> nn.Sequential:
 
 
 def resnet18(image_shape, num_classes: int) -> nn.Sequential:
-    import torchvision
+    import torchvision  # deferred: ~1 s to import, and only resnet18 needs it
 
     net = torchvision.models.resnet18(num_classes=num_classes)
     if image_shape[0] != 3:

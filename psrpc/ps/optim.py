@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from psrpc.errors import one_of
+
 OPTIMIZERS: dict[str, Callable] = {
     "sgd": lambda params, c, fused: torch.optim.SGD(
         params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay, nesterov=c.nesterov,
@@ -23,10 +25,7 @@ OPTIMIZERS: dict[str, Callable] = {
 def build_optimizer(params: list[torch.Tensor], cfg) -> torch.optim.Optimizer:
     """The fused CPU kernels when this torch has them: one pass over the shard instead of three
     (SGD with momentum 8 -> 5 ms, Adam 63 -> 7 ms on 45 MB, one thread)."""
-    try:
-        make = OPTIMIZERS[cfg.name]
-    except KeyError:
-        raise ValueError(f"optim={cfg.name!r}: must be one of {sorted(OPTIMIZERS)}") from None
+    make = one_of(OPTIMIZERS, cfg.name, "optim")
     try:
         return make(params, cfg, True)
     except (RuntimeError, TypeError, ValueError):  # an older torch: no fused CPU kernel

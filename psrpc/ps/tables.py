@@ -19,16 +19,16 @@ the result must not depend on how rows are spread over servers).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from psrpc.checkpoint import write_atomic
+from psrpc.cluster.wire import Reply
 from psrpc.errors import PsrpcError, PushRejected
 from psrpc.ps.schedule import lr_factor
-from psrpc.cluster.wire import Reply
 from psrpc.ps.shard import Shard, ShardSpec, ShardStats
 from psrpc.sparse.optim import build_sparse_optimizer
 from psrpc.sparse.rows import Partition, TableSpec, init_rows, table_seed
@@ -197,8 +197,6 @@ class TableShard(Shard):
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _snapshot(self, step: int) -> dict:
-        from dataclasses import asdict
-
         return {"file": tables_file(self.ps), "shard": self.index, "version": step,
                 "ps": self.ps, "partition": self.sparse.partition,
                 "tables": {n: {"weight": w.clone(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from psrpc.errors import one_of
 from psrpc.ps.async_apply import AsyncApplier
 from psrpc.ps.sync import SyncAggregator
 
@@ -9,8 +10,5 @@ RULES = {"sync": SyncAggregator, "async": AsyncApplier}
 
 
 def build_updater(shard, update_cfg, num_workers: int):
-    try:
-        rule = RULES[update_cfg.name]
-    except KeyError:
-        raise ValueError(f"update={update_cfg.name!r}: must be one of {sorted(RULES)}") from None
+    rule = one_of(RULES, update_cfg.name, "update")
     return rule(shard, update_cfg, num_workers)

@@ -15,17 +15,16 @@ import torch
 from torch import nn
 
 from psrpc import checkpoint
-from psrpc.cluster import comm
-from psrpc.config import Config
-from psrpc.factories import Data, load_data
-from psrpc.errors import PsrpcError
-from psrpc.faults import build_faults
+from psrpc.cluster import comm, shm
 from psrpc.cluster.layout import Layout
-from psrpc.models.stages import model_cuts, stage_shapes
-from psrpc.ps.shard import ShardSpec, ShardStats
 from psrpc.cluster.topology import Topology
-from psrpc.cluster import shm
+from psrpc.config import Config
+from psrpc.errors import PsrpcError
+from psrpc.factories import Data, load_data
+from psrpc.faults import build_faults
+from psrpc.models.stages import model_cuts, stage_shapes
 from psrpc.ps import service
+from psrpc.ps.shard import ShardSpec, ShardStats
 from psrpc.ps.tables import TableShardSpec
 from psrpc.sparse.tables import find_tables
 from psrpc.worker.plan import Plan

@@ -12,22 +12,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import torch
+from hydra.utils import instantiate
 
+from psrpc import checkpoint
 from psrpc.cluster import comm, membership
-from psrpc.session import outputs
-from psrpc.session.bootstrap import bootstrap
+from psrpc.cluster.topology import Topology
+from psrpc.cluster.wire import Reply
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
-from psrpc.session.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
-                         default_hooks)
 from psrpc.ps import service
+from psrpc.session import outputs
+from psrpc.session.bootstrap import bootstrap, create_shards, create_table_shards, initial_state
+from psrpc.session.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
+                                 default_hooks)
 from psrpc.session.saver import build_saver
-from psrpc.cluster.wire import Reply
-from psrpc.cluster.topology import Topology
 from psrpc.worker.data_parallel import Worker
 from psrpc.worker.plan import Plan
 
@@ -111,8 +114,6 @@ class Chief:
             versions = comm.wait_all([comm.invoke(r, "begin_epoch") for r in shards])
             target = max(versions)
             comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
-            from dataclasses import replace
-
             plan = replace(self.plan, rolled_back_to=None)
         else:
             plan, rolled_back = self._roll_back(epoch, who)
@@ -136,11 +137,6 @@ class Chief:
 
     def _roll_back(self, epoch: int, who: str):
         """Every shard from the last committed checkpoint (a PS lost its shards)."""
-        from dataclasses import replace
-
-        from psrpc import checkpoint
-        from psrpc.session.bootstrap import create_shards, create_table_shards, initial_state
-
         restored = checkpoint.find_latest(self.cfg.checkpoint.dir)
         if restored is None:
             error = PsrpcError(f"{who} was started again but its shards are gone and "
@@ -217,7 +213,7 @@ class Chief:
         if self.cfg.train.eval_every:
             hooks.append(Evaluate(self.cfg.train.eval_every, evaluate_now, hooks[0], self.best))
         hooks += [self.saver] if self.saver else []
-        hooks += [_instantiate(h) for h in self.cfg.hooks]
+        hooks += [instantiate(h) for h in self.cfg.hooks]
         self.hooks = Hooks(hooks)
         self.hooks.begin(RunContext(start, self.cfg.train.steps, self.out_dir,
                                     lambda: evaluate_now()[0],
@@ -302,9 +298,3 @@ class Chief:
                            for t in self.plan.table_shards])
         outputs.log_done(summary, self.out_dir)
         return summary
-
-
-def _instantiate(spec):
-    from hydra.utils import instantiate
-
-    return instantiate(spec)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from psrpc.errors import PsrpcError
+from psrpc.checkpoint import write_atomic
 
 log = logging.getLogger("psrpc")
 
@@ -232,8 +232,6 @@ class BestModel:
         if self.value is not None and (value <= self.value if self.higher else
                                        value >= self.value):
             return False
-        from psrpc.checkpoint import write_atomic
-
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomic(self.folder / "model.pt", state)
         write_atomic(self.folder / "best.json", json.dumps(

@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from psrpc.cluster import comm
 from psrpc import factories
+from psrpc.cluster import comm
 from psrpc.worker.loader import fetch, to_device
 
 log = logging.getLogger("psrpc")

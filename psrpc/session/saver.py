@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as PyTimeout
 from typing import Callable, Optional
 
-from psrpc.errors import first_line
 from psrpc import checkpoint
 from psrpc.cluster import comm
 from psrpc.cluster.comm import rpc_timeout_s
+from psrpc.errors import first_line
 from psrpc.session.hooks import Hook, StepInfo
 
 log = logging.getLogger("psrpc")

@@ -6,10 +6,10 @@ psrpc/ps/tables.py, a worker's client of it psrpc/worker/rows.py.
 In a model: `EmbeddingTables([TableSpec("user", 10_000_000, 64), ...])`; after a run,
 `load_tables(out_dir)` gives every table back, `load_model(model, out_dir)` the whole model."""
 
+from psrpc.sparse.export import load_model, load_tables
 from psrpc.sparse.optim import SPARSE_OPTIMIZERS, build_sparse_optimizer
 from psrpc.sparse.rows import (Partition, TableSpec, coalesce, hash64, hash_ids, init_rows,
                                table_seed)
-from psrpc.sparse.export import load_model, load_tables
 from psrpc.sparse.tables import EmbeddingTables, bag_inputs
 
 __all__ = ["EmbeddingTables", "Partition", "SPARSE_OPTIMIZERS", "TableSpec", "bag_inputs",

@@ -23,10 +23,13 @@ servers.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable
 
 import torch
+
+from psrpc.errors import one_of
 
 
 class RowOptimizer:
@@ -158,16 +161,10 @@ SPARSE_OPTIMIZERS: dict[str, Callable[..., RowOptimizer]] = {
 def build_sparse_optimizer(name: str, weight: torch.Tensor, **hyper) -> RowOptimizer:
     """`SPARSE_OPTIMIZERS[name](weight, **hyper)`; an unknown name or hyperparameter is an error
     that lists what is valid."""
-    try:
-        cls = SPARSE_OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"sparse optimizer {name!r}: must be one of "
-                         f"{sorted(SPARSE_OPTIMIZERS)}") from None
+    cls = one_of(SPARSE_OPTIMIZERS, name, "sparse.optimizer")
     try:
         return cls(weight, **hyper)
     except TypeError as e:
-        import inspect
-
         valid = [p for p in inspect.signature(cls).parameters if p != "weight"]
         raise ValueError(f"sparse optimizer {name!r}: {e}; its hyperparameters are "
                          f"{valid}") from None

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from psrpc.errors import one_of
+
 _U64 = 1 << 64
 
 
@@ -134,9 +136,7 @@ class Partition:
     STRATEGIES = ("mod", "div")
 
     def __init__(self, num_rows: int, num_ps: int, strategy: str = "mod"):
-        if strategy not in self.STRATEGIES:
-            raise ValueError(f"partition strategy {strategy!r}: must be one of "
-                             f"{list(self.STRATEGIES)}")
+        one_of(self.STRATEGIES, strategy, "sparse.partition")
         if num_rows <= 0 or num_ps <= 0:
             raise ValueError(f"Partition: num_rows={num_rows} and num_ps={num_ps} must be "
                              "positive")

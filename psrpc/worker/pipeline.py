@@ -30,18 +30,18 @@ import torch.distributed.autograd as dist_autograd
 from torch.func import functional_call
 from torch.futures import Future
 
-from psrpc.cluster import comm
 from psrpc import factories
+from psrpc.cluster import comm
+from psrpc.cluster.layout import Layout
+from psrpc.cluster.topology import Topology
+from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.config import Config
 from psrpc.factories import Data
 from psrpc.faults import build_faults
-from psrpc.worker.flat import FlatModel
-from psrpc.cluster.layout import Layout
-from psrpc.worker.loader import split_batch, to_device
-from psrpc.cluster.wire import WIRE_DTYPES, Reply
-from psrpc.cluster.topology import Topology
 from psrpc.models.stages import stage_module
 from psrpc.worker.client import ShardClient
+from psrpc.worker.flat import FlatModel
+from psrpc.worker.loader import split_batch, to_device
 from psrpc.worker.plan import Plan
 from psrpc.worker.replica import AMP_DTYPES, Replica, load_buffers, model_buffers, pick_device
 

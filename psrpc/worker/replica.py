@@ -11,8 +11,8 @@ import torch
 
 from psrpc import factories
 from psrpc.cluster import membership
-from psrpc.config import Config
 from psrpc.cluster.topology import Topology
+from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line
 from psrpc.factories import Data
 from psrpc.faults import build_faults
