@@ -35,7 +35,7 @@ def _ddp_rank(rank: int, world: int, port: int, cfg, sparse: bool, threads: int,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from benchmarks.peers import _setup
+    from benchmarks.peers import _setup, train_timed
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -49,16 +49,7 @@ def _ddp_rank(rank: int, world: int, port: int, cfg, sparse: bool, threads: int,
     opts = [torch.optim.Adam(dense, lr=cfg.optim.lr),
             torch.optim.Adagrad(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps)]
     steps, warm = cfg.train.steps, cfg.train.warmup_steps
-    for step in range(steps):
-        if step == warm:
-            t0 = time.perf_counter()
-        x, y = batches.get(step)
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        for o in opts:
-            o.step()
-    elapsed = time.perf_counter() - t0
+    _, elapsed = train_timed(model, loss_fn, batches, opts, steps, warm)
     if rank == 0:
         out.put({"samples_per_s": (steps - warm) * world * cfg.train.batch_size / elapsed})
     dist.barrier()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -60,15 +60,28 @@ def single_process(cfg: Config) -> dict:
     data, model, loss_fn, batches = _setup(cfg, 1, 0)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
     B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
+    _, elapsed = train_timed(model, loss_fn, batches, [opt], steps, warm)
+    return {"samples_per_s": (steps - warm) * B / elapsed, "wall_s": elapsed}
+
+
+def train_timed(model, loss_fn, batches, opts: list, steps: int, warm: int,
+                after_step: Optional[Callable[[int], bool]] = None) -> tuple[int, float]:
+    """Every peer's training loop: global batches 0..steps-1 of `batches`, each optimizer in
+    `opts` stepped once per batch, the clock started at step `warm`. `after_step(step)` returns
+    True to stop there. Returns (steps done, seconds timed)."""
+    t0 = time.perf_counter()
     for step in range(steps):
         if step == warm:
             t0 = time.perf_counter()
         x, y = batches.get(step)
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
-        opt.step()
-    elapsed = time.perf_counter() - t0
-    return {"samples_per_s": (steps - warm) * B / elapsed, "wall_s": elapsed}
+        for opt in opts:
+            opt.step()
+        if after_step is not None and after_step(step):
+            return step + 1, time.perf_counter() - t0
+    return steps, time.perf_counter() - t0
 
 
 def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_s: float,
@@ -84,29 +97,21 @@ def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_
     opt = build_optimizer(list(model.parameters()), cfg.optim)
     B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
     stop = torch.zeros(1)
-    reached, t0 = None, time.perf_counter()
-    for step in range(steps):
-        if step == warm:
-            t0 = time.perf_counter()
-        x, y = batches.get(step)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+
+    def after_step(step: int) -> bool:
         if rank == slow_rank and slow_s:
-            time.sleep(slow_s)  # the same straggler as psrpc's fault.slow_worker
-        loss.backward()
-        opt.step()
-        if target is not None and (step + 1) % eval_every == 0:
-            if rank == 0 and test_metric(model.module, cfg, data) >= target:
-                stop.fill_(1)
-            dist.broadcast(stop, 0)  # the others wait for rank 0's evaluation
-            if stop.item():
-                reached = step + 1
-                break
-    trained_s = time.perf_counter() - t0
+            time.sleep(slow_s)  # the same straggler as psrpc's fault.slow_worker, once a step
+        if target is None or (step + 1) % eval_every:
+            return False
+        if rank == 0 and test_metric(model.module, cfg, data) >= target:
+            stop.fill_(1)
+        dist.broadcast(stop, 0)  # the others wait for rank 0's evaluation
+        return bool(stop.item())
+
+    done, trained_s = train_timed(model, loss_fn, batches, [opt], steps, warm, after_step)
     if rank == 0:
-        done = reached or steps
         out.put({"samples_per_s": (done - (0 if target else warm)) * world * B / trained_s,
-                 "wall_s": trained_s, "steps": done, "reached": reached is not None})
+                 "wall_s": trained_s, "steps": done, "reached": bool(stop.item())})
     dist.barrier()
     dist.destroy_process_group()
 
