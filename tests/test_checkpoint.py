@@ -4,6 +4,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -349,6 +350,27 @@ def test_restored_buffers_must_be_the_models(caplog):
     with caplog.at_level(logging.WARNING):
         assert restored_buffers(cfg, model, made(None)) is None
     assert "step-40 holds no buffers (saved by an older psrpc)" in caplog.text
+
+
+def test_a_checkpoint_that_does_not_load_never_counts_toward_keep(tmp_path, caplog):
+    """keep=1 and a newer committed step whose shard file was truncated since: pruning after
+    a new commit must keep the new step (the one that loads), not delete it in favour of the
+    corrupt one; the corrupt step is set aside, not deleted, and restore finds the new one."""
+    _saved_run(tmp_path, 2, steps=12, every=3)  # steps 3, 6, 9, 12
+    shard = checkpoint.step_dir(tmp_path, 12) / "shard-1.pt"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    for step in (3, 6):
+        shutil.rmtree(checkpoint.step_dir(tmp_path, step))
+    with caplog.at_level(logging.WARNING):
+        checkpoint.prune(tmp_path, keep=1, committed=9, good={9})
+    assert [s for s, _ in checkpoint.steps_on_disk(tmp_path)] == [9]
+    assert (tmp_path / "step-12.corrupt" / "shard-1.pt").exists()
+    assert "step-12 does not load" in caplog.text and "truncated or corrupt" in caplog.text
+    assert checkpoint.find_latest(str(tmp_path)).step == 9
+    # A step from elsewhere is checked, not trusted: a good one counts, and is remembered.
+    good: set = set()
+    checkpoint.prune(tmp_path, keep=1, committed=9, good=good)
+    assert good == {9} and [s for s, _ in checkpoint.steps_on_disk(tmp_path)] == [9]
 
 
 def test_prune_keeps_newest_and_drops_stale_partials(tmp_path):

@@ -15,8 +15,11 @@ somewhere deep in the restore with a KeyError.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -194,4 +197,64 @@ def buffers_problem(saved: Any, step: int) -> Optional[str]:
     if not isinstance(buffers, dict) or not all(
             isinstance(n, str) and torch.is_tensor(b) for n, b in buffers.items()):
         return "buffers is not a dict of named tensors"
+    return None
+
+# -- a checkpoint folder on disk ------------------------------------------------------------------
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(0|[1-9]\d*)$")  # step-N exactly as step_dir names it
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def steps_on_disk(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) for every step-N folder, newest first."""
+    if not Path(root).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(root).iterdir()
+             if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def file_digest(path: Path) -> dict:
+    """{"bytes", "sha256"} of a file, read in chunks (a table shard's file can be GBs)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def file_problem(path: Path, entry: dict) -> Optional[str]:
+    """A file of a step against its manifest entry (size and sha256); None when it matches."""
+    try:
+        got = file_digest(path)
+    except OSError as e:
+        return f"{path} is unreadable ({e.strerror})"
+    if got["bytes"] != entry["bytes"] or got["sha256"] != entry["sha256"]:
+        return (f"{path} is truncated or corrupt ({got['bytes']} bytes, manifest says "
+                f"{entry['bytes']})")
+    return None
+
+
+def step_problem(step: int, folder: Path) -> Optional[str]:
+    """What stops committed step `folder` from loading, read without loading it: the manifest
+    parses and is well formed, and every file it lists is there with its size and sha256;
+    None when it checks out."""
+    path = folder / MANIFEST
+    try:
+        m = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        return f"{path} is unreadable ({e})"
+    problem, _ = manifest_problem(m, step)
+    if problem:
+        return f"{path} is malformed: {problem}"
+    entries = list(m["files"]) + ([m["buffers"]] if "buffers" in m else [])
+    entries += list(m["tables"]["files"]) if "tables" in m else []
+    for entry in entries:
+        problem = file_problem(folder / entry["file"], entry)
+        if problem:
+            return problem
     return None

@@ -16,9 +16,8 @@ from typing import Optional
 
 import torch
 
-from psrpc.checkpoint.manifest import (BUFFERS_FILE, buffers_problem, manifest_problem,
-                                       shard_state_problem)
-from psrpc.checkpoint.writer import MANIFEST, file_digest, steps_on_disk
+from psrpc.checkpoint.manifest import (BUFFERS_FILE, MANIFEST, buffers_problem, file_problem,
+                                       manifest_problem, shard_state_problem, steps_on_disk)
 from psrpc.cluster.layout import Layout
 from psrpc.errors import PsrpcError
 
@@ -71,27 +70,20 @@ def _load_step(step: int, folder: Path) -> Restored:
         paths = []
         for entry in t["files"]:
             path = folder / entry["file"]
-            _check_file(path, entry)
+            problem = file_problem(path, entry)
+            if problem:
+                raise ValueError(problem)
             paths.append(str(path))
         tables = {"specs": t["specs"], "partition": t["partition"], "num_ps": t["num_ps"],
                   "paths": paths}
     return Restored(step, layout, shards, manifest, buffers, tables)
 
 
-def _check_file(path: Path, entry: dict) -> None:
-    """A file of a step, checked against its manifest entry (size and sha256)."""
-    try:
-        got = file_digest(path)
-    except OSError as e:
-        raise ValueError(f"{path} is unreadable ({e.strerror})") from None
-    if got["bytes"] != entry["bytes"] or got["sha256"] != entry["sha256"]:
-        raise ValueError(f"{path} is truncated or corrupt ({got['bytes']} bytes, manifest says "
-                         f"{entry['bytes']})")
-
-
 def _load_file(path: Path, entry: dict):
     """One file of a step, checked against its manifest entry, loaded with weights_only."""
-    _check_file(path, entry)
+    problem = file_problem(path, entry)
+    if problem:
+        raise ValueError(problem)
     try:
         data = path.read_bytes()
     except OSError as e:

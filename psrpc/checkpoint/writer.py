@@ -13,28 +13,21 @@ holds a manifest is never written to again. Reading them back: psrpc/checkpoint/
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from psrpc.checkpoint.manifest import BUFFERS_FILE, FORMAT, shard_file
+from psrpc.checkpoint.manifest import (BUFFERS_FILE, FORMAT, MANIFEST, file_digest, shard_file,
+                                       step_dir, step_problem, steps_on_disk)
 from psrpc.cluster.layout import Layout
 from psrpc.errors import PsrpcError
 
 log = logging.getLogger("psrpc")
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step-(0|[1-9]\d*)$")  # step-N exactly as step_dir names it
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step}"
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -123,16 +116,6 @@ def _save(root: Path, step: int, name: str, obj: dict) -> dict:
     return {"file": name, **file_digest(folder / name)}
 
 
-def file_digest(path: Path) -> dict:
-    """{"bytes", "sha256"} of a file, read in chunks (a table shard's file can be GBs)."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "sha256": digest.hexdigest()}
-
-
 # -- chief side ------------------------------------------------------------------------------
 def save_buffers(root: Path, step: int, buffers: dict[str, torch.Tensor]) -> dict:
     """The chief's replica's buffers (BatchNorm statistics) at step `step`: model state that
@@ -158,22 +141,40 @@ def write_manifest(root: Path, step: int, layout: Layout, files: list[dict], ext
         raise
 
 
-def steps_on_disk(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) for every step-N folder, newest first."""
-    if not Path(root).is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in Path(root).iterdir()
-             if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(found, reverse=True)
-
-
-def prune(root: Path, keep: int, committed: int) -> None:
-    """Keep the newest `keep` committed checkpoints; drop uncommitted ones older than `committed`."""
+def prune(root: Path, keep: int, committed: int, good: Optional[set] = None) -> None:
+    """Keep the newest `keep` committed checkpoints that load; drop older committed ones and
+    uncommitted ones older than `committed`. A committed step that does not check out (a file
+    truncated or corrupted since) does not count toward `keep`: it is moved aside to
+    step-N.corrupt, so that it neither pushes a good checkpoint out nor blocks a new save of
+    its step. `good`: steps known to check out (the saver's own); those found to are added."""
+    good = set() if good is None else good
     kept = 0
     for step, folder in steps_on_disk(root):
-        complete = (folder / MANIFEST).exists()
-        if complete and kept < keep:
-            kept += 1
+        if not (folder / MANIFEST).exists():
+            if step < committed:
+                shutil.rmtree(folder, ignore_errors=True)
             continue
-        if complete or step < committed:
+        if step not in good:
+            problem = step_problem(step, folder)
+            if problem is not None:
+                _set_aside(folder, problem)
+                continue
+            good.add(step)
+        if kept < keep:
+            kept += 1
+        else:
             shutil.rmtree(folder, ignore_errors=True)
+            good.discard(step)
+
+
+def _set_aside(folder: Path, problem: str) -> None:
+    """A committed step that does not load: renamed (never deleted: someone may want to see
+    what happened to it), out of the way of restores and saves."""
+    target = folder.with_name(folder.name + ".corrupt")
+    n = 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}.corrupt{n}")
+    os.rename(folder, target)
+    log.warning("checkpoint %s does not load (%s): moved to %s; it does not count toward "
+                "checkpoint.keep", folder.name, problem, target.name)

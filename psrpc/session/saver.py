@@ -40,6 +40,9 @@ class CheckpointSaver(Hook):
                         "partition": plan.partition, "num_ps": len(plan.table_shards)}
                        if plan.table_shards else None)
         self.start = start_step  # 0, or the step this run restored from
+        # Steps known to load: the one restored (it just did) and those this saver commits.
+        # A committed step from elsewhere is checked before it counts toward checkpoint.keep.
+        self.good = {start_step} if start_step else set()
         self.margin = margin  # steps ahead a time-based save is asked for
         self.extra = {"model": cfg.model["_target_"], "optim": cfg.optim.name,
                       "update": cfg.update.name, "num_workers": cfg.cluster.num_workers}
@@ -144,7 +147,8 @@ class CheckpointSaver(Hook):
         except checkpoint.StepCommitted as e:
             log.warning("checkpoint step %d not made: %s", step, e)
             return False
-        checkpoint.prune(self.root, self.keep, step)
+        self.good.add(step)
+        checkpoint.prune(self.root, self.keep, step, self.good)
         log.info("checkpoint step %d saved in %s", step, checkpoint.step_dir(self.root, step))
         return True
 
@@ -165,4 +169,8 @@ def build_saver(cfg, plan, start_step: int, buffers: Callable[[], dict]
     if not cfg.checkpoint.dir:
         return None
     margin = 1 if cfg.update.name == "sync" else 2 * cfg.cluster.num_workers
-    return CheckpointSaver(cfg, plan, start_step, margin, buffers, rpc_timeout_s(cfg))
+    saver = CheckpointSaver(cfg, plan, start_step, margin, buffers, rpc_timeout_s(cfg))
+    # Before the first save: a committed step that no longer loads (restore skipped it) is set
+    # aside now, so that it neither blocks a save of its step nor counts toward keep.
+    checkpoint.prune(saver.root, saver.keep, start_step, saver.good)
+    return saver
