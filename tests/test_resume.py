@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import assert_same_model, run_cluster
+from tests.conftest import assert_equal_model, assert_same_model, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
 CKPT = ["checkpoint.every_steps=10"]
@@ -26,6 +26,28 @@ def test_40_then_60_equals_60_uninterrupted(tmp_path, mode):
     assert second[0]["restored_from_step"] == 40 and second[0]["steps"] == 60
     assert second[0]["samples"] == whole[0]["samples"]  # counters carried over
     assert_same_model(second[1], whole[1])
+
+
+def test_dropout_20_then_30_equals_30_whatever_the_loader(tmp_path):
+    """Randomness is state: dropout masks and augmentation draw from generators seeded by
+    (seed, replica, step) and (seed, epoch, sample), so a resumed run draws what the
+    uninterrupted one drew, and loading (in the worker or in 2 loader processes) never moves the
+    training stream: 20 + 10 steps with either loader equals 30 steps, bit for bit."""
+    user = dict(model={"_target_": "tests.user_fixtures.make_dropout_net", "hidden": 16},
+                data="tests.user_fixtures.make_noisy_datasets",
+                loss="tests.user_fixtures.SmoothL1", metric="tests.user_fixtures.MeanAbsError")
+    mode = ["cluster.num_workers=2", "train.batch_size=8"]
+    whole = run_cluster(tmp_path / "whole", mode + ["train.steps=30", "data.num_workers=0"],
+                        **user)
+    mode += CKPT
+    for loaders in (0, 2):
+        ck = f"checkpoint.dir={tmp_path / f'ck{loaders}'}"
+        run_cluster(tmp_path / f"first{loaders}",
+                    mode + [ck, "train.steps=20", f"data.num_workers={loaders}"], **user)
+        second = run_cluster(tmp_path / f"second{loaders}",
+                             mode + [ck, "train.steps=30", f"data.num_workers={loaders}"], **user)
+        assert second[0]["restored_from_step"] == 20
+        assert_equal_model(second[1], whole[1])
 
 
 @pytest.mark.slow

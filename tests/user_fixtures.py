@@ -3,6 +3,8 @@ train through the CLI and the Python API (by import path, as a user would)."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -27,6 +29,26 @@ class Pairs(Dataset):
 def make_datasets(features: int = 6, size: int = 1024, test_size: int = 128, seed: int = 0):
     return {"train": Pairs(size, features, seed), "test": Pairs(test_size, features, seed + 1),
             "features": features}
+
+
+class NoisyPairs(Pairs):
+    """Pairs with a random augmentation drawn in __getitem__ from torch's and Python's
+    generators: the loader seeds them per sample."""
+
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        return x + 0.1 * torch.randn_like(x) + 0.01 * random.random(), y
+
+
+def make_noisy_datasets(features: int = 6, size: int = 1024, test_size: int = 128, seed: int = 0):
+    return {"train": NoisyPairs(size, features, seed), "test": Pairs(test_size, features, seed + 1),
+            "features": features}
+
+
+def make_dropout_net(features: int, hidden: int = 32, p: float = 0.3) -> nn.Sequential:
+    """Dropout draws from the training process's generator every step."""
+    return nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Dropout(p),
+                         nn.Linear(hidden, 2))
 
 
 def make_net(features: int, hidden: int = 32) -> nn.Sequential:

@@ -26,6 +26,7 @@ from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.config import Config
 from psrpc.factories import Data
 from psrpc.sparse.tables import find_tables
+from psrpc.worker import rng
 from psrpc.worker.client import ShardClient
 from psrpc.worker.flat import FlatModel
 from psrpc.worker.plan import Plan
@@ -86,6 +87,7 @@ class Worker(Replica):
         staleness clock did not admit the gradient (`self.finished` says whether training is
         over; otherwise it was too stale)."""
         x, y = self.batches.get(step)
+        rng.seed_all(rng.step_seed(self.cfg.train.seed, self.replica, step))
         self.flat.zero_grad()
         self.flat.ready()
         loss = self.forward_loss(self.model, x, y)

@@ -1,6 +1,6 @@
 """A replica's batches, by step, from any map-style dataset; loaded ahead when it can be.
 
-Which samples: `GlobalBatches` (psrpc/data.py) maps a step to the rows of the global batch; the
+Which samples: `GlobalBatches` (psrpc/worker/batches.py) maps a step to the rows of the global batch; the
 replica takes its slice. Loading: with `data.num_workers = 0` in this process; otherwise a
 `torch.utils.data.DataLoader` with that many background processes decodes and transforms the
 next steps while this one trains (pinned memory when the device is CUDA), so a worker never
@@ -8,9 +8,11 @@ waits on decoding. Steps are asked for in order almost always (sync: the global 
 the worker's own count), so the loader runs ahead by one step at a time and restarts on the rare
 jump (a stale round, a restore).
 
-Per-sample randomness (augmentation) is seeded from (train.seed, epoch, sample index), so the
-contract holds for augmented data too: the same samples, transformed the same way, at step t
-whatever the number of workers or loader processes.
+Per-sample randomness (augmentation) is seeded from (train.seed, epoch, sample index), torch's
+and Python's `random` (NumPy's too when it is loaded), so the contract holds for augmented data
+too: the same samples, transformed the same way, at step t whatever the number of workers or
+loader processes. Loading in this process puts the training process's generators back as they
+were: what the model draws (dropout) is never a function of the data (psrpc/worker/rng.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
+from psrpc.worker import rng
 from psrpc.worker.batches import GlobalBatches
 
 
@@ -57,9 +60,10 @@ def fetch(dataset: Dataset, idx: torch.Tensor, seed: int = 0, first: int = 0) ->
         return dataset.batch(idx)
     n = len(dataset)
     items = []
-    for pos, i in enumerate(idx.tolist()):
-        torch.manual_seed(_sample_seed(seed, (first + pos) // n if first >= 0 else 0, i))
-        items.append(dataset[i])
+    with rng.kept():  # the training process's generators, as they were before
+        for pos, i in enumerate(idx.tolist()):
+            rng.seed_all(_sample_seed(seed, (first + pos) // n if first >= 0 else 0, i))
+            items.append(dataset[i])
     return default_collate(items)
 
 
@@ -78,7 +82,7 @@ class _Tagged(Dataset):
 
     def __getitem__(self, key):
         step, pos, i = key
-        torch.manual_seed(_sample_seed(self.seed, pos // self.n, i))
+        rng.seed_all(_sample_seed(self.seed, pos // self.n, i))  # a loader process's own
         return step, self.dataset[i]
 
 
