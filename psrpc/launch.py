@@ -188,6 +188,8 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=port, stages=pipeline_stages(cfg),
                     interface=local_interface(cfg), shm_run=shm.new_run())
     store = comm.host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
+    if cfg.cluster.shm != "off" and shm.available():
+        shm.remove_stale()  # runs on this host whose processes are all gone (kill -9 of a run)
     try:
         return _attempts(cfg, topo, out_dir, replica_cls, store, timeout_s)
     finally:
@@ -208,6 +210,7 @@ def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
                        f"cluster.max_ps_restarts={cfg.cluster.max_ps_restarts} used up")
                 raise ClusterFailed(f"{e} ({why})") from None
             attempt += 1
+            shm.remove(topo.shm_run)  # every rank is gone; the new group creates its own
             log.warning("%s: starting every process again, training resumes from the last "
                         "checkpoint (restart %d of %d)", e, attempt, cfg.cluster.max_ps_restarts)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from psrpc.cluster import comm, membership
+from psrpc.cluster import comm, membership, shm
 from psrpc.cluster.comm import rpc_timeout_s
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config
@@ -145,6 +145,8 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
                   attempt=topo.restart_count, interface=topo.interface,
                   agent_store=topo.agent_store, epoch=epoch)
 
+    if topo.role == "ps" and topo.shm_run and cfg.cluster.shm != "off" and shm.available():
+        shm.hold(topo.shm_run, topo.name)  # this run is alive on this host while this PS is
     membership.setup(topo.epoch, topo.restart_count, join)
     join(topo.epoch)
     graceful = False

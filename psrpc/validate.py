@@ -80,6 +80,9 @@ def check_values(cfg: Config) -> None:
            c.rpc_timeout_s, f"must exceed update.timeout_s={u.timeout_s} (calls wait at the "
            "barrier that long), or be null")
     one_of(WIRE_DTYPE_NAMES, u.wire_dtype, "update.wire_dtype")
+    require(c.shm != "on" or u.wire_dtype == "float32", "cluster.shm", c.shm,
+            f"shares float32 gradients; update.wire_dtype={u.wire_dtype} is for a network: use "
+            "cluster.shm=auto (TCP for this run) or update.wire_dtype=float32")
     if u.name == "sync":
         r = u.replicas_to_aggregate
         require(r is None or 1 <= r <= replicas(cfg), "update.replicas_to_aggregate", r,

@@ -104,16 +104,18 @@ def test_the_cpu_suite_stays_on_cpu(monkeypatch):
     assert on_cpu(["train.device=cuda"]) == ["train.device=cuda"]
 
 
-def test_train_tf32_sets_matmul_and_cudnn(monkeypatch):
+def test_train_tf32_sets_matmul_and_cudnn():
     from psrpc.process import set_tf32
 
     flags = [torch.backends.cuda.matmul, torch.backends.cudnn]
-    for f in flags:  # restored after the test
-        monkeypatch.setattr(f, "allow_tf32", f.allow_tf32)
     before = [f.allow_tf32 for f in flags]
-    set_tf32(None)  # torch's defaults stay
-    assert [f.allow_tf32 for f in flags] == before
-    for value in (False, True):
-        set_tf32(value)
-        assert [f.allow_tf32 for f in flags] == [value, value]
+    try:  # by hand, not monkeypatch: these are torch's flag objects, not plain attributes
+        set_tf32(None)  # torch's defaults stay
+        assert [f.allow_tf32 for f in flags] == before
+        for value in (False, True):
+            set_tf32(value)
+            assert [f.allow_tf32 for f in flags] == [value, value]
+    finally:
+        for f, value in zip(flags, before):
+            f.allow_tf32 = value
     assert compose(["train.tf32=false"]).train.tf32 is False

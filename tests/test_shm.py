@@ -8,18 +8,22 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
 from psrpc.cluster import shm
+from psrpc.errors import PsrpcError
 from tests.conftest import assert_equal_model, run_cluster
 from tests.unit_helpers import sgd, sync
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _ours() -> set[str]:
-    return {p.name for p in shm.SHM_DIR.glob("psrpc-*")}
+def _ours(launcher: int = os.getpid()) -> set[str]:
+    """The segments of runs whose launcher is `launcher` (a run's segments are named after
+    it: psrpc-<pid>x<random>-...), not those of any other psrpc run on this machine."""
+    return {p.name for p in shm.SHM_DIR.glob(f"psrpc-{launcher}x*")}
 
 
 @pytest.mark.parametrize("mode", [
@@ -50,9 +54,9 @@ def test_a_slot_is_read_only_after_its_push(tmp_path):
 
     run = shm.new_run()
     try:
-        shm.create(shm.segment(run, 0, "params"), 4)
+        shm.create(shm.segment(run, 0, "params"), 4, b"n" * shm.NONCE_BYTES)
         for w in (0, 1):
-            shm.create(shm.segment(run, 0, f"g{w}"), 4)
+            shm.create(shm.segment(run, 0, f"g{w}"), 4, b"n" * shm.NONCE_BYTES)
         shard = Shard(ShardSpec(0, torch.zeros(4), sgd(lr=1.0), sync(timeout_s=0.3), 2, 100,
                                 shm=("views", run, [0, 1])))
         slot0 = shm.attach(shm.segment(run, 0, "g0"), 4)
@@ -74,36 +78,128 @@ def test_no_segment_outlives_a_killed_process(tmp_path, victim):
     second: none trains on as an orphan):
     /dev/shm holds none of the run's segments afterwards (the launcher removes them, or
     multiprocessing's resource tracker does when every process of the run is gone)."""
-    before = _ours()
     proc = subprocess.Popen(
         [sys.executable, "-m", "psrpc", "train.steps=100000", "train.device=cpu",
          "cluster.shm=on", f"out_dir={tmp_path / 'out'}"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not (_ours() - before) and time.monotonic() < deadline:
+        while not _ours(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _ours() - before, "the run made no segment"
+        assert _ours(proc.pid), "the run made no segment"
         time.sleep(1.0)
         if victim == "launcher":
             os.kill(proc.pid, signal.SIGKILL)
         else:
-            import psutil
-
-            (p,) = [p for p in psutil.process_iter(["name"]) if p.info["name"] == victim]
+            (p,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                    if p.name() == victim]  # this run's rank, not another run's
             p.kill()
             time.sleep(3)  # it rejoins; then the run is stopped the ordinary way
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         deadline = time.monotonic() + 20
-        while _ours() - before and time.monotonic() < deadline:
+        while _ours(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not (_ours() - before), f"left in /dev/shm: {sorted(_ours() - before)}"
-        import psutil
-
+        assert not _ours(proc.pid), f"left in /dev/shm: {sorted(_ours(proc.pid))}"
         ranks = [p for p in psutil.process_iter(["name", "cwd"])
                  if (p.info["name"] or "").startswith("psrpc-") and p.info["cwd"] == str(tmp_path)]
         assert not ranks, f"ranks outlived the launcher: {ranks}"
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- /dev/shm is world-writable: nothing found there is trusted --------------------------------
+def test_a_planted_symlink_is_never_followed_or_truncated(tmp_path):
+    victim = tmp_path / "precious"
+    victim.write_bytes(b"do not truncate")
+    run = shm.new_run()
+    name = shm.segment(run, 0, "params")
+    (shm.SHM_DIR / name).symlink_to(victim)
+    try:
+        with pytest.raises(PsrpcError, match="already exists"):
+            shm.create(name, 1024, b"n" * shm.NONCE_BYTES)
+        with pytest.raises(shm.SegmentProblem, match="cannot be opened safely"):
+            shm.attach(name, 4)
+        assert victim.read_bytes() == b"do not truncate"
+    finally:
+        (shm.SHM_DIR / name).unlink()
+
+
+def test_a_segment_is_mapped_only_if_it_is_what_the_ps_created():
+    run, nonce = shm.new_run(), b"a" * shm.NONCE_BYTES
+    name = shm.segment(run, 0, "g0")
+    try:
+        shm.create(name, 8, nonce)
+        assert (shm.SHM_DIR / name).stat().st_mode & 0o777 == 0o600
+        shm.check(name, 8, nonce)
+        assert shm.attach(name, 8).numel() == 8
+        with pytest.raises(shm.SegmentProblem, match="nonce differs"):  # another PS's file
+            shm.check(name, 8, b"b" * shm.NONCE_BYTES)
+        with pytest.raises(shm.SegmentProblem, match="holds 32 bytes, not 64"):
+            shm.attach(name, 16)
+        os.chmod(shm.SHM_DIR / name, 0o644)
+        with pytest.raises(shm.SegmentProblem, match="has mode 644"):
+            shm.attach(name, 8)
+        # Another /dev/shm (a container with the same host name and boot id): not there.
+        assert "does not exist here" in shm.check_all([(shm.segment(run, 1, "g0"), 8, nonce)])
+    finally:
+        shm.remove(run)
+
+
+def test_stale_runs_are_removed_and_live_ones_kept():
+    """A run whose lock files nobody holds (its processes were killed together) is removed;
+    one whose PS holds its lock, or one with no lock file yet, is left alone."""
+    dead, live, starting = shm.new_run(), shm.new_run(), shm.new_run()
+    nonce = b"x" * shm.NONCE_BYTES
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from psrpc.cluster import shm; "
+        f"shm.hold('{dead}', 'ps0'); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder.kill()  # SIGKILL: no cleanup of its own; the kernel drops its lock
+        holder.wait(timeout=10)
+        shm.hold(live, "ps0")  # this process: alive
+        for run in (dead, live, starting):
+            shm.create(shm.segment(run, 0, "params"), 4, nonce)
+        assert shm.remove_stale() == [dead]
+        left = {p.name for p in shm.SHM_DIR.glob("psrpc-*")}
+        assert not any(dead in n for n in left)
+        assert shm.segment(live, 0, "params") in left and shm.segment(starting, 0, "params") in left
+    finally:
+        holder.kill()
+        shm.release()
+        for run in (dead, live, starting):
+            shm.remove(run)
+
+
+def test_kill_9_of_a_whole_run_leaves_nothing_after_the_next_run(tmp_path):
+    """SIGKILL of the launcher and every rank at once (a job scheduler, the OOM killer): the
+    resource tracker dies with them and the segments stay, until the next run on the host
+    removes them."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "psrpc", "train.steps=100000", "train.device=cpu",
+         "cluster.shm=on", f"out_dir={tmp_path / 'killed'}"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)  # its own process group, killed whole below
+    try:
+        deadline = time.monotonic() + 120
+        while not _ours(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        for pid in group:  # all at once: nobody is left to clean up
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+        time.sleep(1.0)
+        assert _ours(proc.pid), "the kill left nothing to clean up: the test proves nothing"
+        run_cluster(tmp_path / "next", ["cluster.shm=on", "train.steps=5"])
+        assert not _ours(proc.pid), f"left in /dev/shm: {sorted(_ours(proc.pid))}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shm.remove_stale()

@@ -1,10 +1,12 @@
 """What a parameter server serves over RPC besides its shards' own methods: the chief calls
 these on each PS to create its shards (`create_shard`), to find out what it holds after a
 membership change (`local_shards`, `drop_shards`), and to set up shared memory with the workers
-on its host (`create_segments`).
+on its host (`create_segments`, which also cleans up after dead runs).
 """
 
 from __future__ import annotations
+
+import secrets
 
 from psrpc.cluster import comm, shm
 from psrpc.ps.shard import Shard, ShardSpec
@@ -26,20 +28,27 @@ def create_shard(spec: ShardSpec) -> int:
 _SEGMENTS: list[str] = []  # the shared-memory segments this PS created
 
 
-def create_segments(segments: list[tuple[str, int]]) -> None:
-    """Called by the chief on a PS: create its shards' shared-memory segments (name, elements);
-    this PS removes them when it leaves (psrpc/cluster/shm.py)."""
+def create_segments(run: str, ps: str, segments: list[tuple[str, int]]) -> bytes:
+    """Called by the chief on a PS: create its shards' shared-memory segments (name, elements)
+    of run `run`, after removing those of dead runs on this host; returns the nonce written in
+    each, which the workers check before using them. This PS marks the run alive on its host
+    while it lives and removes the segments when it leaves (psrpc/cluster/shm.py)."""
+    shm.remove_stale()
+    shm.hold(run, ps)
+    nonce = secrets.token_bytes(shm.NONCE_BYTES)
     for name, numel in segments:
-        shm.create(name, numel)
+        shm.create(name, numel, nonce)
         _SEGMENTS.append(name)
+    return nonce
 
 
 def remove_segments() -> None:
-    """This PS's segments, when it leaves (the workers are gone or leaving: a mapped segment
-    stays mapped)."""
-    for name in _SEGMENTS:
+    """This PS's segments and lock, when it leaves (the workers are gone or leaving: a mapped
+    segment stays mapped)."""
+    for name in _SEGMENTS + list(shm.held()):
         shm.unlink(name)
     _SEGMENTS.clear()
+    shm.release()
 
 
 def local_shards() -> list[int]:

@@ -159,12 +159,56 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
             + [(shm.segment(run, g, f"g{w}"), numel) for w in ids])
         shared.append((mode, run, ids))
     # On the PS's host (which may not be the chief's): the PS removes them when it leaves.
-    comm.wait_all([comm.call(ps, service.create_segments, (segs,))
-                   for ps, segs in segments.items()])
+    nonces = dict(zip(segments, comm.wait_all(
+        [comm.call(ps, service.create_segments, (run, ps, segs)) for ps, segs in segments.items()])))
+    shared = _verified(cfg, topo, layouts, shared, nonces)
     if any(shared):
         log.info("shared memory with the PS on the same host: %d of %d shards (%s)",
                  sum(1 for x in shared if x), len(shared), next(x for x in shared if x)[0])
+    elif cfg.cluster.shm == "on":
+        raise PsrpcError("cluster.shm=on but no worker shares a host with a parameter server "
+                         "(or update.wire_dtype is not float32): use cluster.shm=auto or off")
     return shared
+
+
+def _verified(cfg: Config, topo: Topology, layouts: list[Layout], shared: list,
+              nonces: dict) -> list:
+    """`shared` without the workers that do not see their PS's segments (another /dev/shm, a
+    file that is not the PS's): they use TCP, said in the log; with cluster.shm=on the run
+    stops instead, naming the worker and the reason."""
+    layout = Layout.concat(layouts)
+    stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
+    asks: dict[str, list] = {}  # worker name -> [(segment, numel, nonce, shard, id)]
+    for g, entry in enumerate(shared):
+        if entry is None:
+            continue
+        mode, run, ids = entry
+        ps, numel = topo.ps_names[layout.shard_ps[g]], layout.shard_numel[g]
+        for w in ids:
+            names = [shm.segment(run, g, f"g{w}")] + ([shm.segment(run, g, "params")]
+                                                      if mode == "views" else [])
+            asks.setdefault(topo.stage_workers(w)[stage_of[g]], []).extend(
+                (n, numel, nonces[ps], g, w) for n in names)
+    problems = dict(zip(asks, comm.wait_all([
+        comm.call(name, shm.check_all, ([a[:3] for a in items],))
+        for name, items in asks.items()])))
+    bad = {(a[3], a[4]) for name, items in asks.items() if problems[name] for a in items}
+    for name, why in problems.items():
+        if why is None:
+            continue
+        if cfg.cluster.shm == "on":
+            raise PsrpcError(f"cluster.shm=on but {name} cannot use its PS's shared memory: "
+                             f"{why}")
+        log.warning("%s uses TCP: it cannot use its PS's shared memory (%s)", name, why)
+    out = []
+    for g, entry in enumerate(shared):
+        if entry is None:
+            out.append(None)
+            continue
+        mode, run, ids = entry
+        kept = [w for w in ids if (g, w) not in bad]
+        out.append((mode, run, kept) if kept else None)
+    return out
 
 
 def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
