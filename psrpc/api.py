@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config, register_configs, to_config
@@ -49,12 +52,29 @@ def compose(overrides: Sequence[str] = (), config_dir: Optional[str] = None,
         overrides.append(f"hydra.searchpath=[file://{path.resolve()}]")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_config(hydra_compose("config", overrides=overrides))
-    for key, spec in factories.items():
-        if spec is not None:
-            setattr(cfg, key, {"_target_": spec} if isinstance(spec, str) else dict(spec))
+    given = {k: v for k, v in factories.items() if v is not None}
+    for key, spec in given.items():
+        setattr(cfg, key, {"_target_": spec} if isinstance(spec, str) else dict(spec))
+    _apply_to_factories(cfg, overrides, given)
     resolve_paths(cfg, cwd)
     check_values(cfg)
     return cfg
+
+
+def _apply_to_factories(cfg: Config, overrides: list[str], given: dict) -> None:
+    """`data.size=1024` beside `data={...}`: the override applies to the node given from Python
+    (which replaced the config's whole node, and with it what Hydra had applied there)."""
+    for o in OverridesParser.create().parse_overrides(
+            [o for o in overrides if o.lstrip("+~").split(".", 1)[0] in given]):
+        key, _, path = o.key_or_group.partition(".")
+        node = getattr(cfg, key)
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if o.is_delete():
+            node.pop(leaf, None)
+        else:
+            node[leaf] = o.value()
 
 
 def train(overrides: Sequence[str] = (), *, model: Factory = None, data: Factory = None,
@@ -63,6 +83,13 @@ def train(overrides: Sequence[str] = (), *, model: Factory = None, data: Factory
     """Train; returns summary.json's content (None on a non-chief rank under torchrun). Bad
     input raises psrpc.errors.PsrpcError (one clear message) before any process starts; a
     failed run raises psrpc.launch.ClusterFailed naming the rank."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # A rank re-imports the main module (as multiprocessing does), and this script calls
+        # train at its top level: it would start a cluster from inside the cluster.
+        print("psrpc: error: psrpc.train() ran while a process psrpc started was importing your "
+              "script (every rank re-imports the main module, as multiprocessing does): call it "
+              "under `if __name__ == \"__main__\":`", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     cfg = compose(overrides, config_dir, model=model, data=data, loss=loss, metric=metric)
     check_run(cfg)
     out_dir = Path(cfg.out_dir or Path("outputs") / datetime.now().strftime("%Y-%m-%d/%H-%M-%S"))

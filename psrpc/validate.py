@@ -168,9 +168,15 @@ def _validate_sparse(sp) -> None:
     one_of(Partition.STRATEGIES, sp.partition, "sparse.partition")
     one_of(SPARSE_OPTIMIZERS, sp.optimizer, "sparse.optimizer")
     require(_finite(sp.lr), "sparse.lr", sp.lr, "must be a finite number ≥ 0")
-    require(_finite(sp.eps), "sparse.eps", sp.eps, "must be a finite number ≥ 0")
+    # adagrad divides by sqrt(accumulator) + eps: a touched row whose gradient is zero would
+    # be 0/0 with eps = 0 (NaN); adam likewise before its first nonzero gradient
+    require(sp.optimizer == "sgd" or (_finite(sp.eps) and sp.eps > 0), "sparse.eps", sp.eps,
+            f"must be a finite number > 0 (sparse.optimizer={sp.optimizer} divides by it)")
     require(_finite(sp.weight_decay), "sparse.weight_decay", sp.weight_decay,
-           "must be a finite number ≥ 0")
+            "must be a finite number ≥ 0")
+    require(sp.weight_decay == 0 or sp.optimizer != "adam", "sparse.weight_decay",
+            sp.weight_decay, "is not applied by sparse.optimizer=adam (lazy Adam decays no "
+            "row): set 0, or use sgd or adagrad")
     require(len(sp.betas) == 2 and all(_finite(b) and b < 1 for b in sp.betas), "sparse.betas",
            list(sp.betas), "must be two numbers in [0, 1)")
 

@@ -37,6 +37,12 @@ from tests.conftest import compose
      "fault.nan_at_step=500: must be a step in 0..499 (train.steps=500)"),
     (["fault.crash_role=ps", "fault.crash_at_step=-1"], "fault.crash_at_step=-1: must be a step"),
     (["fault.slow_worker=0", "fault.slow_s=-1"], "fault.slow_s=-1.0: must be a finite number"),
+    (["sparse.eps=0"], "sparse.eps=0.0: must be a finite number > 0 (sparse.optimizer=adagrad"),
+    (["sparse.optimizer=adam", "sparse.eps=0"], "sparse.eps=0.0: must be a finite number > 0"),
+    (["sparse.optimizer=adam", "sparse.weight_decay=0.01"],
+     "sparse.weight_decay=0.01: is not applied by sparse.optimizer=adam"),
+    (["cluster.shm=on", "update.wire_dtype=bfloat16"],
+     "cluster.shm='on': shares float32 gradients; update.wire_dtype=bfloat16"),
 ])
 def test_bad_value_names_key_value_and_what_is_allowed(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -53,6 +59,8 @@ def test_bad_value_names_key_value_and_what_is_allowed(overrides, message):
     ["cluster.transports=[uv,shm]"],
     ["cluster.transports=null"],
     ["checkpoint.dir=ck", "checkpoint.every_steps=10", "checkpoint.every_s=5"],
+    ["sparse.optimizer=sgd", "sparse.eps=0"],  # sgd divides by nothing
+    ["sparse.optimizer=adagrad", "sparse.weight_decay=0.01"],
 ])
 def test_good_values_pass(overrides):
     compose(overrides)

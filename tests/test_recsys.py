@@ -178,6 +178,11 @@ def test_criteo_errors(tmp_path):
     bad.write_text("1\t2\t3\n")
     with pytest.raises(ValueError, match=r"bad:1: 3 fields, expected 40"):
         criteo(str(bad))
+    lines = write_criteo(bad, n=3)
+    lines[2][0] = "2"  # a count, not a click: the loss would train on nonsense
+    bad.write_text("".join("\t".join(f) + "\n" for f in lines))
+    with pytest.raises(ValueError, match=r"bad:3: label '2', expected 0 or 1"):
+        criteo(str(bad))
 
 
 def test_logistic_regression_beats_chance_on_movielens(ml):

@@ -3,6 +3,9 @@ by import path: through the CLI and the Python API, with the exactness contracts
 clear error before anything starts when they do not fit."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,3 +142,31 @@ def test_bf16_autocast_trains(tmp_path):
     summary, state = run_cluster(tmp_path, ["train.amp=bf16", "train.steps=30"], **USER)
     assert summary["steps"] == 30 and summary["final_loss"] < 0.5
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in state.values())
+
+
+def test_overrides_apply_to_a_factory_given_from_python():
+    """`data.size=1024` beside `data={...}`: the dict replaced the config's node, and the
+    override must not be lost with it."""
+    cfg = psrpc.compose(["data.size=1024", "+data.features=4", "train.steps=3"],
+                        data={"_target_": f"{F}.make_datasets", "size": 64})
+    assert cfg.data == {"_target_": f"{F}.make_datasets", "size": 1024, "features": 4}
+    assert cfg.train.steps == 3
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_script_that_calls_train_runs_with_the_guard_and_says_why_without(tmp_path, guarded):
+    """The README's example as a script: every rank re-imports it. With the __main__ guard it
+    trains; without, each rank says in one line what to do, and the run fails."""
+    call = f'psrpc.train({QUICK + ["cluster.num_workers=1"]!r}, **{USER!r})'
+    body = (f'if __name__ == "__main__":\n    print("steps", {call}["steps"])\n' if guarded
+            else f'print("steps", {call}["steps"])\n')
+    script = tmp_path / "train_it.py"
+    script.write_text("import psrpc\n\n" + body)
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if guarded:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "steps 20" in r.stdout
+    else:
+        assert r.returncode != 0
+        assert 'call it under `if __name__ == "__main__":`' in r.stderr

@@ -205,7 +205,10 @@ def criteo(path: str, test_fraction: float = 0.1, hash_size: int = 1_000_000,
                 raise ValueError(f"data.path={path}:{line_no}: {len(fields)} fields, expected "
                                  f"{width} (label, 13 integers, 26 categoricals)")
             try:
-                labels.append(float(int(fields[0])))
+                label = int(fields[0])
+                if label not in (0, 1):
+                    raise ValueError(f"label {fields[0]!r}, expected 0 or 1 (a click or not)")
+                labels.append(float(label))
                 for v in fields[1:1 + CRITEO_INTS]:
                     x = int(v) if v else 0
                     ints.append(math.log1p(x) if x > 0 else 0.0)
