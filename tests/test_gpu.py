@@ -85,6 +85,22 @@ def test_nan_from_a_cuda_worker_is_rejected(tmp_path):
     assert math.isfinite(summary["final_loss"])
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_a_failed_page_lock_leaves_no_cuda_error_behind():
+    """Page-locking a shared-memory segment twice fails (already registered); that failure
+    must not stay as CUDA's last error, which torch's check after the next kernel launch would
+    raise against unrelated code."""
+    from psrpc.worker.flat import _pinned
+
+    host = torch.zeros(1 << 16).share_memory_()
+    _pinned(host)
+    _pinned(host)  # fails: already registered
+    assert int(torch.cuda.cudart().cudaGetLastError()) == 0
+    assert torch.ones(8, device="cuda").sum().item() == 8.0
+    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+
 @pytest.mark.parametrize("overrides", [c[0] + FP32 for c in CASES.values()] + [NAN_CASE],
                          ids=list(CASES) + ["nan"])
 def test_gpu_case_overrides_compose_on_cpu(monkeypatch, overrides):

@@ -21,6 +21,7 @@ a bucket's copy, and forward waits (on the GPU) only for the parameters it reads
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -29,6 +30,8 @@ from torch import nn
 
 from psrpc.cluster import shm as shm_mod
 from psrpc.cluster.layout import Layout
+
+log = logging.getLogger(__name__)
 
 
 class FlatModel:
@@ -222,7 +225,13 @@ def _pinned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A shared-memory tensor registered with CUDA as page-locked (so copies to and from the GPU
     run asynchronously); None stays None."""
     if t is not None and torch.cuda.is_available():
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(err) != 0:  # not pinned: copies are synchronous, still correct
-            pass
+            # The failed call also left CUDA's last error set: the next kernel launch check
+            # anywhere in this process (torch checks cudaGetLastError after launches) would
+            # raise it against unrelated code. Read it, which clears it.
+            cudart.cudaGetLastError()
+            log.warning("could not page-lock a shared-memory segment for CUDA (error %d): its "
+                        "copies to and from the GPU run synchronously", int(err))
     return t
