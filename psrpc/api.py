@@ -31,6 +31,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config, register_configs, to_config
+from psrpc.errors import PsrpcError
 from psrpc.launch import launch
 from psrpc.process import run_rank
 from psrpc.validate import check_run, check_values, resolve_paths
@@ -108,4 +109,7 @@ def run(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
         run_rank(cfg, topo, out_dir)
         if not topo.is_chief:
             return None
-    return json.loads((Path(out_dir) / "summary.json").read_text())
+    summary = json.loads((Path(out_dir) / "summary.json").read_text())
+    if summary.get("final_checkpoint_error"):  # trained, outputs written, checkpoint lost
+        raise PsrpcError(summary["final_checkpoint_error"])
+    return summary

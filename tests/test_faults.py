@@ -1,13 +1,15 @@
 """Faults over real clusters: lost workers, a dead PS, NaN gradients (README's fault table)."""
 
+import json
 import math
+import subprocess
 import time
 
 import pytest
 import torch
 
 from psrpc.launch import ClusterFailed
-from tests.conftest import run_cluster
+from tests.conftest import FAST, cli, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,3 +63,28 @@ def test_every_gradient_overflowing_stops_with_an_error_naming_worker_and_step(t
         run_cluster(tmp_path, ["cluster.num_workers=1", "update.wire_dtype=float16",
                                "optim.lr=1e5", "train.nonfinite_patience=3",
                                "train.steps=50"], timeout_s=120)
+
+
+def test_a_full_disk_under_checkpoint_dir_is_said_and_ends_the_run_non_zero(tmp_path):
+    """checkpoint.dir on a 200 KB tmpfs: every save fails with ENOSPC. Training goes on (each
+    failure is logged with its cause), the outputs are written, and then the run ends with one
+    line saying the final checkpoint was not written and why, exit code 2: a lost checkpoint
+    is not a success."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(ck)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        r = cli(FAST + ["model=cnn", f"checkpoint.dir={ck}", "checkpoint.every_steps=10",
+                        f"out_dir={tmp_path / 'out'}"], tmp_path)
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], capture_output=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("psrpc: error: the final checkpoint (step 20) was not written: ")
+    assert "No space left on device" in last and "holds no committed checkpoint" in last
+    assert "checkpoint step 10 not made: ps0/shard0: " in r.stderr  # and why, in words
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 20 and "No space left" in summary["final_checkpoint_error"]

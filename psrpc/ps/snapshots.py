@@ -9,6 +9,7 @@ The chief waits on `request(step)` for each shard's file info and writes the man
 from __future__ import annotations
 
 import logging
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -16,6 +17,7 @@ import torch
 
 from psrpc import checkpoint
 from psrpc.cluster import comm
+from psrpc.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,22 @@ class ShardSnapshots:
             log.warning("%s: step %d not saved: %s", self.name, state["version"], e)
             info = None
         except Exception as e:  # a failed save must not stop training; the chief skips it
-            log.error("%s: could not save step %d: %s", self.name, state["version"], e)
-            info = None
+            why = _why(e, self.root)
+            log.error("%s: could not save step %d: %s", self.name, state["version"], why)
+            info = {"error": f"{self.name}: {why}"}
         if not fut.done():
             fut.set_result(info)
+
+
+def _why(e: Exception, root) -> str:
+    """A failed write in words: torch reports a full disk as a mismatch of positions in its zip
+    writer ("unexpected pos"), which names neither the disk nor the folder."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} ({e.filename or root})"
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if "unexpected pos" in str(e) and free is not None:
+        return f"the file could not be written whole: {free} bytes free in {root}"
+    return first_line(e)

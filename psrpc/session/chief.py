@@ -85,6 +85,7 @@ class Chief:
         self.lost: list[int] = []  # workers that never reported done
         self.stopped_early = False
         self.saver = None
+        self.final_checkpoint_error: Optional[str] = None
         self.epochs: list[dict] = []  # membership epochs after the first
 
     def initialise(self):
@@ -276,7 +277,16 @@ class Chief:
         if len(set(steps)) > 1:
             log.warning("shards ended at different steps: %s", steps)
         if self.saver is not None:
-            self.saver.final(steps[0])
+            why = self.saver.final(steps[0])
+            if why is not None:  # the run ends with its outputs, and then with this error
+                newest = next((s for s, f in checkpoint.steps_on_disk(self.cfg.checkpoint.dir)
+                               if (f / checkpoint.MANIFEST).exists()), None)
+                self.final_checkpoint_error = (
+                    f"the final checkpoint (step {steps[0]}) was not written: {why}; "
+                    f"checkpoint.dir={self.cfg.checkpoint.dir} holds "
+                    + (f"step {newest}, the newest committed" if newest is not None
+                       else "no committed checkpoint")
+                    + f"; model.pt and summary.json are in {self.out_dir}")
 
     def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
         """model.pt and the summary, after the final checkpoint; the final evaluation is
@@ -291,6 +301,7 @@ class Chief:
             self.cfg, self.topo, self.plan, reports, wall_s=wall_s, total_s=total_s,
             samples_per_s=self.throughput.samples_per_s(), tests=tests, lost=self.lost,
             stopped_early=self.stopped_early, epochs=self.epochs,
+            final_checkpoint_error=self.final_checkpoint_error,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
         outputs.write_outputs(self.out_dir, state, summary)
         if self.plan.table_shards:  # each PS writes its rows itself: tables/ps<k>.pt

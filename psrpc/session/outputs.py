@@ -74,7 +74,8 @@ def write_outputs(out_dir: Path, state: dict, summary: dict) -> None:
 
 def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s: float,
                  samples_per_s, tests: dict, lost: list[int], stopped_early: bool,
-                 workers: dict, epochs: list = ()) -> dict:
+                 workers: dict, epochs: list = (),
+                 final_checkpoint_error: Optional[str] = None) -> dict:
     r0 = reports[0]
     return {
         "update": cfg.update.name, "parallel": cfg.parallel.name,
@@ -93,6 +94,7 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "workers_rejoined": sum(e["started_again"].startswith("worker") for e in epochs),
         "epochs": list(epochs),  # membership epochs: who joined again, when, the pause
         "stopped_early": stopped_early,
+        "final_checkpoint_error": final_checkpoint_error,  # null: written (or none asked)
         "shards": reports,
         "workers": workers,
     }

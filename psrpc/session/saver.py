@@ -43,6 +43,7 @@ class CheckpointSaver(Hook):
         # Steps known to load: the one restored (it just did) and those this saver commits.
         # A committed step from elsewhere is checked before it counts toward checkpoint.keep.
         self.good = {start_step} if start_step else set()
+        self.errors: dict[int, str] = {}  # step -> why it could not be written
         self.margin = margin  # steps ahead a time-based save is asked for
         self.extra = {"model": cfg.model["_target_"], "optim": cfg.optim.name,
                       "update": cfg.update.name, "num_workers": cfg.cluster.num_workers}
@@ -124,6 +125,12 @@ class CheckpointSaver(Hook):
             log.warning("checkpoint step %d not made (%s); keeping the last one", step,
                         first_line(e))
             return False
+        failed = [info["error"] for info in infos if info is not None and "error" in info]
+        if failed:  # a write failed (a full disk, a lost mount): said, and said again at the end
+            self.errors[step] = "; ".join(failed)
+            log.warning("checkpoint step %d not made: %s; keeping the last one", step,
+                        self.errors[step])
+            return False
         missing = [f"ps{self.layout.shard_ps[k]}/shard{k}" if k < self.dense  # not always ps{k}
                    else f"ps{k - self.dense}/tables" for k, info in enumerate(infos) if info is None]
         if missing:
@@ -147,13 +154,18 @@ class CheckpointSaver(Hook):
         except checkpoint.StepCommitted as e:
             log.warning("checkpoint step %d not made: %s", step, e)
             return False
+        except OSError as e:
+            self.errors[step] = f"the chief: {e.strerror} ({e.filename})"
+            log.warning("checkpoint step %d not made: %s", step, self.errors[step])
+            return False
         self.good.add(step)
         checkpoint.prune(self.root, self.keep, step, self.good)
         log.info("checkpoint step %d saved in %s", step, checkpoint.step_dir(self.root, step))
         return True
 
-    def final(self, step: int) -> None:
-        """The last checkpoint, at the step training ended on; waits for every manifest."""
+    def final(self, step: int) -> Optional[str]:
+        """The last checkpoint, at the step training ended on; waits for every manifest.
+        Returns why it could not be written (None: written, or nothing to write)."""
         self.save(step)
         self._capture(step)
         for fut in self._buffers.values():  # asked past the end: the shards answer None too
@@ -162,6 +174,7 @@ class CheckpointSaver(Hook):
         for fut in list(self._asked.values()):
             fut.result()
         self._pool.shutdown(wait=True)
+        return self.errors.get(step)
 
 
 def build_saver(cfg, plan, start_step: int, buffers: Callable[[], dict]
