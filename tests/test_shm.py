@@ -54,7 +54,7 @@ def test_a_slot_is_read_only_after_its_push(tmp_path):
 
     run = shm.new_run()
     try:
-        shm.create(shm.segment(run, 0, "params"), 4, b"n" * shm.NONCE_BYTES)
+        shm.create(shm.segment(run, 0, "params"), shm.master_numel(4), b"n" * shm.NONCE_BYTES)
         for w in (0, 1):
             shm.create(shm.segment(run, 0, f"g{w}"), 4, b"n" * shm.NONCE_BYTES)
         shard = Shard(ShardSpec(0, torch.zeros(4), sgd(lr=1.0), sync(timeout_s=0.3), 2, 100,
@@ -203,3 +203,68 @@ def test_kill_9_of_a_whole_run_leaves_nothing_after_the_next_run(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         shm.remove_stale()
+
+
+def test_a_views_gradient_computed_across_an_update_is_never_applied():
+    """Views mode with update.timeout_s: shard T's round times out (worker1 is slow: think
+    SIGSTOP) and T's optimizer rewrites the master copy that worker1, already past its forward,
+    still reads in its backward; shard S's round, still open at the same step, must not take
+    worker1's gradient computed on that mix (it is discarded and counted; worker0's stands)."""
+    from torch import nn
+
+    from psrpc.cluster.layout import Layout
+    from psrpc.ps.shard import Shard, ShardSpec
+    from psrpc.worker.flat import FlatModel
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    layout = Layout.plan({n: tuple(p.shape) for n, p in models[0].named_parameters()}, 2,
+                         max_shard_bytes=1 << 20)
+    with torch.no_grad():
+        start = layout.split(dict(models[0].named_parameters()))
+    run = shm.new_run()
+    try:
+        for g, n in enumerate(layout.shard_numel):
+            shm.create(shm.segment(run, g, "params"), shm.master_numel(n), b"n" * shm.NONCE_BYTES)
+            for w in (0, 1):
+                shm.create(shm.segment(run, g, f"g{w}"), n, b"n" * shm.NONCE_BYTES)
+        # shard 0 (T) times out quickly, shard 1 (S) not yet
+        shards = [Shard(ShardSpec(g, start[g].detach(), sgd(lr=0.1),
+                                  sync(timeout_s=0.3 if g == 0 else 60.0), 2, 100,
+                                  shm=("views", run, [0, 1]))) for g in (0, 1)]
+        flats = [FlatModel(m, layout, torch.device("cpu"), shm=[
+            ("views", shm.segment(run, g, "params"), shm.segment(run, g, f"g{w}"))
+            for g in (0, 1)]) for w, m in enumerate(models)]
+        for f in flats:  # the first pull: the parameters are the master copy
+            for g in (0, 1):
+                f.load(g, torch.empty(0))
+        x = torch.randn(2, 3)
+        futures = {}
+
+        def step_and_push(w):
+            for g in (0, 1):
+                flats[w].send(g, lambda payload, g=g: futures.__setitem__(
+                    (w, g), shards[g].push_pull(w, 0, payload, 1.0, 1)))
+
+        for f in flats:
+            f.zero_grad()
+        loss1 = models[1](x).pow(2).sum()  # worker1: forward on step 0 ... then stopped
+        models[0](x).pow(2).sum().backward()  # worker0: a whole step, pushed
+        g0 = [flats[0].grads[g].clone() for g in (0, 1)]
+        step_and_push(0)
+        assert futures[(0, 0)].wait().version == 1  # T's round closed without worker1
+        assert not futures[(0, 1)].done()  # S's round is still open at step 0
+        loss1.backward()  # worker1 runs again: its backward reads T's master, now at step 1
+        step_and_push(1)
+        assert futures[(0, 1)].wait().version == 1
+        alone = Shard(ShardSpec(1, start[1].detach(), sgd(lr=0.1), sync(), 1, 100))
+        alone.push_pull(0, 0, g0[1], 1.0, 1).wait()  # worker0's gradient only
+        assert torch.equal(shards[1].params, alone.params), "S took a gradient across an update"
+        assert shards[1].stats.per_worker_applied == {0: 1}
+        assert shards[1].stats.per_worker_stale == {1: 1}
+        assert not futures[(1, 1)].wait().accepted and not futures[(1, 1)].wait().skipped
+        for s in shards + [alone]:
+            s.close()
+    finally:
+        shm.remove(run)

@@ -39,6 +39,7 @@ whose resource tracker died with it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import logging
@@ -58,6 +59,10 @@ from psrpc.errors import PsrpcError
 log = logging.getLogger("psrpc")
 SHM_DIR = Path("/dev/shm")
 SLOT = "slot"  # what a push carries instead of a gradient: "read my slot"
+# What a push carries when the worker's gradient was computed across an update of a master copy
+# it reads in place (see `WriteSeq`): "discard my gradient of this step" (sync rounds only).
+VOID = "void"
+SEQ_ELEMS = 16  # after a master copy, 64 bytes: its write sequence (one int64), then padding
 NONCE_BYTES = 16
 
 
@@ -167,6 +172,44 @@ def attach(name: str, numel: int) -> torch.Tensor:
                                dtype=torch.float32)
     finally:
         os.close(fd)
+
+
+def is_marker(payload, marker: str) -> bool:
+    """Whether a push's payload is the string `marker` (SLOT, VOID), not a tensor."""
+    return isinstance(payload, str) and payload == marker
+
+
+def master_numel(numel: int) -> int:
+    """Elements of the segment of a master copy of `numel` elements (its write sequence
+    follows it)."""
+    return numel + SEQ_ELEMS
+
+
+def attach_master(name: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A master copy's segment: (its `numel` float32 elements, its write sequence: a one-element
+    int64 tensor in the same segment, see `writing`)."""
+    whole = attach(name, master_numel(numel))
+    at = numel + numel % 2  # 8-byte aligned
+    return whole[:numel], whole[at:at + 2].view(torch.int64)
+
+
+@contextlib.contextmanager
+def writing(seq: Optional[torch.Tensor]):
+    """A seqlock around an in-place write of a master copy (under the shard's lock): the
+    sequence is odd while it is written and even, and different, afterwards. A worker whose
+    parameters are views of the master copy reads the sequence when it takes them (`load`) and
+    again before each push (`FlatModel.intact`): a different or odd value means an update ran
+    while it computed (a round closed without it: update.timeout_s), and its gradient is
+    discarded instead of pushed (`VOID`). Stores to one word: on x86 (TSO) a reader that sees
+    the same even value before and after read a whole version of the copy. None: no-op."""
+    if seq is None:
+        yield
+        return
+    seq.add_(1)
+    try:
+        yield
+    finally:
+        seq.add_(1)
 
 
 def unlink(name: str) -> bool:

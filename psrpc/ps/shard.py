@@ -107,11 +107,13 @@ class Shard:
         with the workers on this host (their gradient slots too) when `spec.shm` says so."""
         self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
         self.slots: dict[int, torch.Tensor] = {}
-        self.shm_mode = None
+        self.shm_mode, self.seq = None, None  # seq: the master copy's write sequence (shm)
         if spec.shm is not None:
             self.shm_mode, run, ids = spec.shm
-            master = shm.attach(shm.segment(run, self.index, "params"), self.params.numel())
-            master.copy_(self.params)
+            master, self.seq = shm.attach_master(shm.segment(run, self.index, "params"),
+                                                 self.params.numel())
+            with shm.writing(self.seq):  # a roll back rewrites what workers may still read
+                master.copy_(self.params)
             self.params = master
             self.slots = {w: shm.attach(shm.segment(run, self.index, f"g{w}"), master.numel())
                           for w in ids}
@@ -136,14 +138,15 @@ class Shard:
             self._check(worker, version, grad, loss, samples, ticket)
         except PushRejected as e:
             return comm.failed(e)
-        viewer = isinstance(grad, str)  # shm.SLOT: the gradient is in the worker's slot
-        if viewer:
+        void = shm.is_marker(grad, shm.VOID)  # computed across an update: discarded (sync only)
+        viewer = isinstance(grad, str) and self.shm_mode == "views" and worker in self.slots
+        if shm.is_marker(grad, shm.SLOT):  # the gradient is in the worker's slot
             grad = self.slots[worker]
         try:
-            finite = math.isfinite(loss) and self._finite(grad)
+            finite = not void and math.isfinite(loss) and self._finite(grad)
             future = self.updater.push(worker, version, grad if finite else None, loss, samples,
-                                       ticket)
-            if viewer and self.shm_mode == "views":  # it reads the master copy itself
+                                       ticket, **({"void": True} if void else {}))
+            if viewer:  # it reads the master copy itself: no parameters in the reply
                 return future.then(lambda f: replace(f.value(), params=_NO_PARAMS))
             return future
         finally:
@@ -287,7 +290,7 @@ class Shard:
         try:
             for g, lr in zip(self.optimizer.param_groups, self.base_lr):
                 g["lr"] = lr * scale
-            with torch.no_grad():
+            with torch.no_grad(), shm.writing(self.seq):
                 self.optimizer.step()
         finally:
             self.params.grad = None
@@ -352,7 +355,10 @@ class Shard:
         """Every argument of a push, before anything changes."""
         name = self.name
         self._check_worker_version(worker, version)
-        self._check_payload(worker, grad)
+        if not shm.is_marker(grad, shm.VOID):
+            self._check_payload(worker, grad)
+        elif not getattr(self.updater, "takes_void", False):
+            raise PushRejected(f"{name}: worker{worker} pushed {grad!r}: only sync rounds take it")
         if type(loss) not in (int, float):
             raise PushRejected(f"{name}: worker{worker} pushed loss {loss!r}, expected a number")
         if type(samples) is not int or samples < 0:

@@ -12,7 +12,9 @@ is rejected: its worker is excused from the round (it waits for the round like t
 moves on to the next batch: its batch is skipped); a round whose every gradient was rejected
 advances the step without an update. A round open longer than `timeout_s` aggregates what it
 has; the missing workers count as lost and later rounds stop waiting for them, until they push
-again. An error while closing a round goes to every waiter of that round; the next round starts
+again. A void push (shared memory, views: the worker's gradient was computed across an update of
+a master copy it reads in place, psrpc/cluster/shm.py `writing`) is dropped, counted stale, and
+its worker excused from the round. An error while closing a round goes to every waiter of that round; the next round starts
 clean.
 """
 
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 
 class SyncAggregator:
+    takes_void = True  # a push may say its gradient is void (shm.VOID): excused, counted stale
+
     def __init__(self, shard, cfg, num_workers: int):
         self.shard = shard
         self.num_workers = num_workers
@@ -48,7 +52,8 @@ class SyncAggregator:
     def _new_round(self) -> None:
         self._grads: dict[int, torch.Tensor] = {}  # worker -> its gradient (as received)
         self._losses: dict[int, float] = {}
-        self._excused: set[int] = set()  # pushed a non-finite gradient: in the round, no vote
+        # pushed a non-finite or a void gradient: in the round, no vote
+        self._excused: set[int] = set()
         self._samples = 0
         self._opened: Optional[float] = None
         self._future = torch.futures.Future()
@@ -62,8 +67,11 @@ class SyncAggregator:
         return max(1, min(self.replicas_to_aggregate, len(self.live.alive)))
 
     def push(self, worker: int, version: int, grad: Optional[torch.Tensor], loss: float,
-             samples: int, ticket=None):
-        """`grad` None: the shard found the push non-finite."""
+             samples: int, ticket=None, void: bool = False):
+        """`grad` None: the shard found the push non-finite. `void`: the worker computed its
+        gradient across an update of a master copy it reads in place (shared memory, views:
+        a round closed without it); it is dropped and counted as stale, and the worker is
+        excused from the round (no vote), as for a non-finite gradient."""
         shard = self.shard
         with shard.lock:
             self.live.seen(worker)
@@ -75,7 +83,10 @@ class SyncAggregator:
             if worker in self.members:
                 return comm.failed(PushRejected(
                     f"{shard.name}: worker{worker} pushed twice for step {version}"))
-            if grad is None:
+            if void:
+                shard.stats.stale(worker)
+                self._excused.add(worker)
+            elif grad is None:
                 shard.count_nonfinite(worker, version)
                 self._excused.add(worker)
             else:
@@ -88,6 +99,8 @@ class SyncAggregator:
             done = self._close_round() if len(self.members) >= self.needed() else None
         if done is not None:
             comm.resolve_all([done])
+        if void:  # same round, same parameters; not a non-finite batch
+            return future.then(lambda f: replace(f.value(), accepted=False))
         if grad is None:  # same round, same parameters; the reply says its batch was skipped
             return future.then(lambda f: replace(f.value(), accepted=False, skipped=True))
         return future

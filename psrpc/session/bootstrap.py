@@ -155,7 +155,7 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
             shared.append(None)
             continue
         segments.setdefault(topo.ps_names[k], []).extend(
-            [(shm.segment(run, g, "params"), numel)]
+            [(shm.segment(run, g, "params"), shm.master_numel(numel))]
             + [(shm.segment(run, g, f"g{w}"), numel) for w in ids])
         shared.append((mode, run, ids))
     # On the PS's host (which may not be the chief's): the PS removes them when it leaves.

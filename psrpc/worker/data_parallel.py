@@ -130,8 +130,9 @@ class Worker(Replica):
             push(k)
         self.flat.flush()
         if self.rows is not None:  # every table shard, after backward has reached the tables
+            # (void, as the dense shards', when computed across an update of a master copy)
             futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
-                                            ticket)
+                                            ticket, void=not self.flat.intact())
         return value, futures
 
     def table_gradients(self) -> dict:

@@ -50,10 +50,18 @@ class FlatModel:
         self._host: list[Optional[torch.Tensor]] = []  # CUDA: the shared slot, pinned
         self._host_params: list[Optional[torch.Tensor]] = []  # CUDA: the shared master, pinned
         self._view = [False] * layout.num_shards  # params[k] is the master copy itself
+        # Views: the master copy's write sequence, and its value when this worker took the
+        # parameters (`load`); see `intact`.
+        self._seq: list[Optional[torch.Tensor]] = [None] * layout.num_shards
+        self._seen: list[int] = [0] * layout.num_shards
+        self._unsent: set[int] = set()  # shards not pushed yet this step
+        self._torn = False  # this step's gradients were computed across an update
         for k, n in enumerate(layout.shard_numel):
             mode = self.shm[k]
             slot = shm_mod.attach(mode[2], n) if mode else None
-            master = shm_mod.attach(mode[1], n) if mode and mode[0] == "views" else None
+            master = None
+            if mode and mode[0] == "views":
+                master, self._seq[k] = shm_mod.attach_master(mode[1], n)
             if cuda:
                 self.params.append(torch.zeros(n, device=device))
                 self.grads.append(torch.zeros(n, device=device))
@@ -124,6 +132,9 @@ class FlatModel:
                 self._on_ready(k)
 
     def zero_grad(self) -> None:
+        """Before a step's forward: its gradients start at zero, none pushed yet."""
+        self._unsent = set(range(len(self.grads)))
+        self._torn = False
         for g in self.grads:
             g.zero_()
         for param, _ in self._split:
@@ -152,20 +163,43 @@ class FlatModel:
         self.flush()
         return out[0]
 
+    def intact(self) -> bool:
+        """Whether this step's gradients so far were computed on the parameters this worker
+        took: no master copy it reads in place (views) and has not pushed yet this step has
+        been written since its `load` (its write sequence, `shm.writing`, is the even value
+        seen then). One it has pushed may be updated (its round closed with this worker, and
+        backward no longer reads it); one it has not pushed can only change when a round
+        closed without this worker (update.timeout_s), or while being written. Once False,
+        False for the rest of the step: every later gradient depends on that forward."""
+        if not self._torn:
+            self._torn = any(self._seq[k] is not None and (
+                self._seen[k] % 2 or int(self._seq[k].item()) != self._seen[k])
+                for k in self._unsent)
+        return not self._torn
+
+    def _checked(self, shard: int, payload):
+        """What to push for shard `shard`: `payload`, or shm.VOID when the gradient was
+        computed across an update (`intact`); the shard then counts as pushed this step."""
+        ok = self.intact()
+        self._unsent.discard(shard)
+        return payload if ok else shm_mod.VOID
+
     def send(self, shard: int, deliver: Callable) -> None:
-        """Hand shard `shard`'s gradient to `deliver(tensor or shm.SLOT)` once it is on the host:
-        at once on the CPU; on CUDA from the sender thread, after a copy on the copy stream
-        that waits (on the GPU) for backward to have produced it: backward goes on meanwhile."""
+        """Hand shard `shard`'s gradient to `deliver(tensor, shm.SLOT or shm.VOID)` once it is
+        on the host: at once on the CPU; on CUDA from the sender thread, after a copy on the
+        copy stream that waits (on the GPU) for backward to have produced it: backward goes on
+        meanwhile. shm.VOID: computed across an update of a master copy (`intact`)."""
         g = self._gather_split(shard)
         if self.device.type != "cuda":
             if self.shm[shard]:
-                deliver(shm_mod.SLOT)  # backward wrote it into the slot
+                deliver(self._checked(shard, shm_mod.SLOT))  # backward wrote it into the slot
             elif self._staging is None:
-                deliver(g)  # not touched again before the reply arrives: no copy needed
+                # not touched again before the reply arrives: no copy needed
+                deliver(self._checked(shard, g))
             else:
                 out = self._staging[shard]
                 out.copy_(g)
-                deliver(out)
+                deliver(self._checked(shard, out))
             return
         out = self._host[shard] if self.shm[shard] else self._staging[shard]
         produced = torch.cuda.Event()
@@ -176,7 +210,10 @@ class FlatModel:
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         result = shm_mod.SLOT if self.shm[shard] else out
-        self._sends.append(self._sender.submit(lambda: (copied.synchronize(), deliver(result))))
+        # checked once the copies are done (in order, on the sender thread): the parameters'
+        # copies from the master copy were complete before backward produced this gradient
+        self._sends.append(self._sender.submit(
+            lambda: (copied.synchronize(), deliver(self._checked(shard, result)))))
 
     def flush(self) -> None:
         """Wait until every `send` has delivered."""
@@ -189,6 +226,8 @@ class FlatModel:
         to do when the model's buffer is the master copy itself (shared memory); on CUDA from
         the shared master copy, or the reply, on the copy stream (forward waits for it:
         `ready`)."""
+        if self._seq[shard] is not None:  # read before the master copy is (seqlock)
+            self._seen[shard] = int(self._seq[shard].item())
         if self._view[shard]:
             src = self.params[shard]
         elif self._host_params[shard] is not None and flat.numel() == 0:

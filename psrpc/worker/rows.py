@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from psrpc.cluster import comm
+from psrpc.cluster import comm, shm
 from psrpc.errors import PsrpcError, first_line
 from psrpc.sparse.rows import Partition, TableSpec
 
@@ -59,11 +59,13 @@ class RowClient:
 
     def push_async(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
                    versions: list[int], loss: float, samples: int,
-                   ticket: Optional[int] = None) -> list:
+                   ticket: Optional[int] = None, void: bool = False) -> list:
         """{table: (unique global rows, (U, dim) gradients)} to every server: Futures of the
-        Replies, in server order."""
+        Replies, in server order. `void`: the gradients were computed across an update
+        (shm.VOID: each server discards them)."""
         per = self._split({n: r for n, (r, _) in grads.items()})
         return [comm.invoke(self.shards[k], "push_pull", self.worker, versions[k],
+                            shm.VOID if void else
                             {n: (local, grads[n][1][pos]) for n, (pos, local) in parts.items()},
                             loss, samples, ticket, timeout_s=self.timeout_s)
                 for k, parts in enumerate(per)]
