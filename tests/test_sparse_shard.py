@@ -154,3 +154,16 @@ def test_non_finite_rows_are_skipped_not_applied():
     r = r.wait()
     assert r.skipped and r.version == 1 and shard.stats.nan_rejected == 1
     assert all(torch.equal(shard.weights[n], before[0][n]) for n in before[0])
+
+
+def test_catch_up_counts_the_passed_steps_in_every_tables_lazy_adam():
+    """A table shard that passes steps to line up with the others (a membership change)
+    counts them as steps with no rows: LazyAdam's bias correction stays alike on every shard;
+    no row changes."""
+    shard = table_shard(sync(), optimizer="adam", workers=1)
+    before = _state(shard)
+    shard.begin_epoch()
+    assert shard.catch_up(2) == 2
+    assert [o.step_count for o in shard.row_optim.values()] == [2, 2]
+    assert all(torch.equal(before[0][n], w) for n, w in shard.weights.items())
+    shard.close()

@@ -2,9 +2,10 @@
 
 import time
 
+import pytest
 import torch
 
-from tests.unit_helpers import make_shard, push, sgd, sync
+from tests.unit_helpers import adam, make_shard, push, sgd, sync
 
 
 def test_round_averages_and_steps_once():
@@ -100,3 +101,45 @@ def test_round_sums_in_worker_order_whatever_the_arrival_order():
     # the check can fail: arrival order really changes these sums
     a, b, c = (torch.tensor(grads[w]) for w in (0, 1, 2))
     assert not torch.equal((a + b) + c, (c + b) + a)
+
+
+@pytest.mark.parametrize("rounds_before", [0, 2])
+def test_catch_up_counts_the_passed_steps_as_the_optimizers_steps(rounds_before):
+    """A membership change lines shards up: a push that reached shard A only leaves shard B a
+    step behind, and B passes it without an update (catch_up). Adam's step count (its bias
+    correction) must stay the same on every shard, as with one optimizer over the whole model
+    (a checkpoint re-split for another number of PS takes shard 0's count for all): B counts
+    the step that A applied; its moments are untouched (that gradient is lost)."""
+    a, b = (make_shard(sync(), adam(lr=0.1), workers=1) for _ in range(2))
+    for v in range(rounds_before):
+        for s in (a, b):
+            push(s, 0, v, [1.0, 2.0, 3.0, 4.0]).wait()
+    moments = {k: t.clone() for k, t in b.optimizer.state[b.params].items() if k != "step"}
+    push(a, 0, rounds_before, [1.0] * 4).wait()  # the worker died before pushing b
+    versions = [s.begin_epoch() for s in (a, b)]
+    assert [s.catch_up(max(versions)) for s in (a, b)] == [rounds_before + 1] * 2
+    state = b.optimizer.state[b.params]
+    assert int(state["step"]) == int(a.optimizer.state[a.params]["step"]) == rounds_before + 1
+    for k, t in moments.items():
+        assert torch.equal(state[k], t)  # no gradient was made up
+    if not rounds_before:  # the state a first step makes: zero moments
+        assert torch.equal(state["exp_avg"], torch.zeros(4))
+        assert torch.equal(state["exp_avg_sq"], torch.zeros(4))
+    for s in (a, b):  # the next round: both at the same step count
+        push(s, 0, rounds_before + 1, [1.0] * 4).wait()
+    assert int(b.optimizer.state[b.params]["step"]) == int(a.optimizer.state[a.params]["step"])
+    for s in (a, b):
+        s.close()
+
+
+def test_catch_up_leaves_sgd_state_alone():
+    """SGD counts no steps: a shard that catches up before its first update keeps no state
+    (its first real step builds the momentum buffer from that gradient, as it always does)."""
+    a, b = (make_shard(sync(), sgd(lr=0.1, momentum=0.9), workers=1) for _ in range(2))
+    push(a, 0, 0, [1.0] * 4).wait()
+    for s in (a, b):
+        s.begin_epoch()
+        s.catch_up(1)
+    assert b.version == 1 and not b.optimizer.state[b.params]
+    for s in (a, b):
+        s.close()

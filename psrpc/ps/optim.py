@@ -30,3 +30,35 @@ def build_optimizer(params: list[torch.Tensor], cfg) -> torch.optim.Optimizer:
         return make(params, cfg, True)
     except (RuntimeError, TypeError, ValueError):  # an older torch: no fused CPU kernel
         return make(params, cfg, None)
+
+
+def count_step(optimizer: torch.optim.Optimizer) -> None:
+    """A global step passes on this shard without an update while the other shards applied it
+    (a membership change lines the shards up: `Shard.catch_up`): an optimizer that counts its
+    steps (Adam's bias correction) counts this one too, so that every shard's count stays the
+    one the others have, as with one optimizer over the whole model (and as a checkpoint
+    re-split for another number of PS assumes). The moments are left as they are: that
+    gradient is lost. A tensor with no state yet first gets the state its first step would
+    make; an optimizer that counts no steps (SGD) is left alone."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state.update(_fresh_state(optimizer, p))
+            if "step" in state:
+                state["step"] += 1
+
+
+def _fresh_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """The state `optimizer` gives `p` before its first step, as torch builds it (a probe of
+    the same class, stepped once on a zero gradient at lr 0, with its step count reset); {} for
+    an optimizer that counts no steps."""
+    probe = torch.zeros_like(p)
+    tmp = type(optimizer)([probe], **{**optimizer.defaults, "lr": 0.0, "weight_decay": 0.0})
+    probe.grad = torch.zeros_like(probe)
+    tmp.step()
+    state = tmp.state[probe]
+    if "step" not in state:
+        return {}
+    state["step"] = state["step"] * 0 if torch.is_tensor(state["step"]) else 0
+    return dict(state)

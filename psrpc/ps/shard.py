@@ -28,7 +28,7 @@ from psrpc.cluster import comm, shm
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
-from psrpc.ps.optim import build_optimizer
+from psrpc.ps.optim import build_optimizer, count_step
 from psrpc.ps.schedule import lr_factor
 from psrpc.ps.snapshots import ShardSnapshots
 from psrpc.ps.updates import build_updater
@@ -228,9 +228,11 @@ class Shard:
 
     def catch_up(self, target: int) -> int:
         """Pass steps without an update up to `target` (every shard at one version when a new
-        epoch starts: a push the old group lost may have reached some shards only)."""
+        epoch starts: a push the old group lost may have reached some shards only), each one
+        counted as the shards ahead counted it (`count_step`: Adam's bias correction)."""
         with self.lock:
             while self.version < min(target, self.max_steps):
+                self.count_step()
                 self.advance()
             if hasattr(self.updater, "caught_up"):
                 self.updater.caught_up()
@@ -296,6 +298,9 @@ class Shard:
             self.params.grad = None
             for g, lr in zip(self.optimizer.param_groups, self.base_lr):
                 g["lr"] = lr
+
+    def count_step(self) -> None:  # catch_up: a step the others applied passes here
+        count_step(self.optimizer)
 
     def advance(self) -> None:
         """The global step passes (after an update, or with none: a skipped step). A checkpoint

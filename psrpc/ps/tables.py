@@ -188,6 +188,11 @@ class TableShard(Shard):
             rows, grads = payload.get(name, (empty, _EMPTY.new_zeros(0, self.specs[name].dim)))
             opt.step(rows, grads, lr)
 
+    def count_step(self) -> None:
+        """A step with no rows: each table counts it (LazyAdam), as for a round that touched
+        none of its rows."""
+        self.step_optimizer({})
+
     def reply(self, accepted: bool, loss: Optional[float] = None, shared: bool = False,
               skipped: bool = False) -> Reply:
         """No parameters: a worker pulls the rows of its next batch itself."""
