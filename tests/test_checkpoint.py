@@ -450,3 +450,82 @@ def test_saver_asks_for_steps_in_increasing_order(monkeypatch):
         saver.after_step(StepInfo(step, 1.0, step, 0, 0.0))
     assert asked == sorted(asked) and {10, 20, 30} <= set(asked)
     saver._pool.shutdown()
+
+
+def _membership_change_during_a_save(tmp_path, monkeypatch, roll_back: bool):
+    """Shards train; the saver asks for step 5 ahead (a time-based save); the group ends
+    before the shards answer (a rank joined again: RPCs of the old group fail); the new
+    epoch lines the same shards up or (a PS was started again) rolls new ones back to the
+    committed step 3; training goes on to step 7. Returns the committed steps."""
+    from types import SimpleNamespace as NS
+
+    from psrpc.cluster import comm
+    from psrpc.hooks import StepInfo
+
+    layout = Layout.plan(SHAPES, 2, max_shard_bytes=400)
+
+    def make(start=None, version=0):
+        out = [make_shard(sync(), sgd(lr=0.1), workers=1, n=n, steps=7, version=version,
+                          start=None if start is None else start[k],
+                          checkpoint_dir=str(tmp_path), checkpoint_every=3)
+               for k, n in enumerate(layout.shard_numel)]
+        for k, sh in enumerate(out):
+            sh.index = k
+        return out
+
+    direct = lambda shard, method, *a, **kw: getattr(shard, method)(*a)  # noqa: E731
+    old_group = []
+
+    def invoke(shard, method, *a, **kw):  # it reaches the shard; the answer dies with the group
+        getattr(shard, method)(*a)
+        old_group.append(torch.futures.Future())
+        return old_group[-1]
+
+    monkeypatch.setattr(comm, "invoke", direct)
+    shards = make()
+    saver = _saver(tmp_path, every_steps=3)
+    saver.shards, saver.layout, saver.dense = shards, layout, len(shards)
+    saver.buffers = lambda: {}
+
+    def train(first, last):
+        for step in range(first, last):
+            for sh, n in zip(shards, layout.shard_numel):
+                push(sh, 0, step, torch.ones(n)).wait()
+            saver.after_step(StepInfo(step + 1, 1.0, step + 1, 0, 0.0))
+
+    train(0, 4)
+    assert saver.save(3).result() is True
+    monkeypatch.setattr(comm, "invoke", invoke)
+    saver.save(5)
+    for fut in old_group:  # the old group ends (rpc.shutdown(graceful=False))
+        fut.set_exception(RuntimeError("RPC is no longer running"))
+    monkeypatch.setattr(comm, "invoke", direct)
+    if roll_back:  # the PS lost its shards: new ones from step 3
+        for sh in shards:
+            sh.close()
+        restored = checkpoint.find_latest(str(tmp_path))
+        assert restored.step == 3
+        shards[:] = make([s["params"] for s in restored.shards], version=3)
+        saver.rebind(NS(all_shards=shards, table_shards=[]))
+        saver.rollback(3)
+        train(3, 7)
+    else:
+        versions = [sh.begin_epoch() for sh in shards]
+        for sh in shards:
+            sh.catch_up(max(versions))
+        saver.rebind(NS(all_shards=shards, table_shards=[]))
+        train(4, 7)
+    saver.final(7)
+    for sh in shards:
+        sh.close()
+    return [s for s, f in checkpoint.steps_on_disk(tmp_path) if (f / checkpoint.MANIFEST).exists()]
+
+
+@pytest.mark.parametrize("roll_back", [False, True], ids=["lined-up", "rolled-back"])
+def test_a_step_asked_before_a_membership_change_is_committed_after_it(tmp_path, monkeypatch,
+                                                                        roll_back):
+    """A checkpoint in flight when the group changes is asked again through the new epoch's
+    shards (the same ones, or those rolled back to an older step, which reach it again),
+    never dropped."""
+    assert sorted(_membership_change_during_a_save(tmp_path, monkeypatch, roll_back)) == [
+        3, 5, 6, 7]

@@ -8,11 +8,18 @@ Buffers of step N are taken on the training thread when the chief first reaches 
 `after_step`): in sync training that is after its forward of batch N-1 and before that of batch
 N, exactly the state a run restored from step N starts with. In async training the chief may
 see the step jump past N; it then takes its buffers at the first step it sees at or past N.
+
+A membership change (a rank started again) ends the RPC group while a step may be asked: the
+old group's answers fail, and the step is asked again through the new epoch's shards (`rebind`):
+the same shards lined up, which answer what they saved, or shards rolled back to an older
+committed step, which save it when they reach it again (`rollback`: its buffers are taken
+again too). A step asked is committed, or said not to be; never dropped in silence.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future as PyFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +33,14 @@ from psrpc.errors import first_line
 from psrpc.session.hooks import Hook, StepInfo
 
 log = logging.getLogger("psrpc")
+
+
+class _Ask:
+    """One asked step on its way to a manifest: the shards' answers (asked again in each new
+    membership epoch) and the chief's buffers (taken again after a roll back)."""
+
+    def __init__(self, step: int, futures: list, buffers: PyFuture, epoch: int):
+        self.step, self.futures, self.buffers, self.epoch = step, futures, buffers, epoch
 
 
 class CheckpointSaver(Hook):
@@ -51,6 +66,10 @@ class CheckpointSaver(Hook):
         self._last_time = time.monotonic()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chief-manifest")
         self._asked: dict[int, PyFuture] = {}
+        self._pending: dict[int, _Ask] = {}  # asked steps not yet committed (or given up)
+        self._epoch = 0  # membership epochs seen: a new one asks pending steps again
+        self._closing = False  # final(): no new epoch will ask again
+        self._cv = threading.Condition()  # guards the three above and each _Ask's fields
         self.buffers = buffers  # () -> the chief's replica's buffers, CPU copies
         self._buffers: dict[int, PyFuture] = {}  # asked step -> its buffers, until reached
         # How long a manifest waits for the chief to reach its step once the shards have saved
@@ -70,17 +89,35 @@ class CheckpointSaver(Hook):
         self._capture(info.step)
 
     def rebind(self, plan) -> None:
-        """A new membership epoch: the same shards (or restored ones) through new references."""
+        """A new membership epoch: the same shards (or restored ones) through new references.
+        Every step still on its way is asked again through them: the old group's answers are
+        lost with it."""
         self.shards = plan.all_shards + plan.table_shards
+        with self._cv:
+            self._epoch += 1
+            for ask in self._pending.values():
+                ask.futures, ask.epoch = self._request(ask.step), self._epoch
+            self._cv.notify_all()
 
     def rollback(self, step: int) -> None:
-        """Every shard is back at `step`: steps past it are asked (and saved) again."""
+        """Every shard is back at `step`: steps past it are asked (and saved) again; one still
+        on its way (asked again by `rebind`) waits for the chief's buffers of that step anew."""
         self.start = step
         self._next = (step // self.every_steps + 1) * self.every_steps if self.every_steps else None
-        for s in [s for s in self._buffers if s > step]:
-            self._buffers.pop(s).set_result(None)
-        for s in [s for s in self._asked if s > step]:  # asked of shards that are gone
-            del self._asked[s]
+        with self._cv:
+            pending = {s: a for s, a in self._pending.items() if s > step}
+            for s in [s for s in self._asked if s > step and s not in pending]:
+                del self._asked[s]  # made (or not) of shards that are gone: ask again
+            for s in [s for s in self._buffers if s > step]:
+                self._buffers.pop(s).set_result(None)
+            self._epoch += 1  # a commit under way with the old buffers starts over
+            for s, ask in pending.items():  # the chief reaches s again
+                ask.buffers = self._buffers[s] = PyFuture()
+                ask.epoch = self._epoch
+            self._cv.notify_all()
+
+    def _request(self, step: int) -> list:
+        return [comm.invoke(r, "request_save", step) for r in self.shards]
 
     def _capture(self, step: int) -> None:
         """Buffers for every asked step the chief has reached (one copy shared by all). Runs
@@ -97,10 +134,11 @@ class CheckpointSaver(Hook):
             if checkpoint.is_committed(self.root, step):
                 self._asked[step] = self._keep_committed(step)
             else:
-                futures = [comm.invoke(r, "request_save", step) for r in self.shards]
                 self._buffers[step] = PyFuture()
-                self._asked[step] = self._pool.submit(self._commit, step, futures,
-                                                      self._buffers[step])
+                with self._cv:
+                    ask = self._pending[step] = _Ask(step, self._request(step),
+                                                     self._buffers[step], self._epoch)
+                self._asked[step] = self._pool.submit(self._commit, ask)
         return self._asked[step]
 
     def _keep_committed(self, step: int) -> PyFuture:
@@ -118,13 +156,41 @@ class CheckpointSaver(Hook):
         done.set_result(False)
         return done
 
-    def _commit(self, step: int, futures, buffers: PyFuture) -> bool:
+    def _commit(self, ask: _Ask) -> bool:
         try:
-            infos = [f.wait() for f in futures]
-        except Exception as e:  # the group changed (a rank joined again) while it waited
-            log.warning("checkpoint step %d not made (%s); keeping the last one", step,
-                        first_line(e))
-            return False
+            while True:
+                infos, epoch = self._answers(ask)
+                if infos is None:
+                    return False
+                done = self._write(ask.step, infos, ask)
+                with self._cv:
+                    if done or ask.epoch == epoch:  # else asked again meanwhile: start over
+                        return done
+        finally:
+            with self._cv:
+                self._pending.pop(ask.step, None)
+
+    def _answers(self, ask: _Ask) -> tuple[Optional[list], int]:
+        """Every shard's file info for the step, and the epoch it was asked in; after a
+        membership change, the new epoch's (the old group's answers fail when it ends). None:
+        the group ended and no new epoch asked again within wait_s (or training is over)."""
+        while True:
+            with self._cv:
+                futures, epoch = ask.futures, ask.epoch
+            try:
+                return [f.wait() for f in futures], epoch
+            except Exception as e:  # the group ended (a rank joined again) while it waited
+                with self._cv:
+                    again = self._cv.wait_for(lambda: ask.epoch != epoch or self._closing,
+                                              timeout=self.wait_s) and ask.epoch != epoch
+                if not again:
+                    log.warning("checkpoint step %d not made (%s); keeping the last one",
+                                ask.step, first_line(e))
+                    return None, epoch
+                log.info("checkpoint step %d: asked again after a membership change", ask.step)
+
+    def _write(self, step: int, infos: list, ask: _Ask) -> bool:
+        """The buffers and the manifest of `step` once every shard saved it."""
         failed = [info["error"] for info in infos if info is not None and "error" in info]
         if failed:  # a write failed (a full disk, a lost mount): said, and said again at the end
             self.errors[step] = "; ".join(failed)
@@ -137,10 +203,15 @@ class CheckpointSaver(Hook):
             log.info("checkpoint step %d not made (%s did not save it); keeping the last one",
                      step, ", ".join(missing))
             return False
+        with self._cv:
+            buffers, epoch = ask.buffers, ask.epoch
         try:
             state = buffers.result(timeout=self.wait_s)
         except PyTimeout:
             state = None
+        with self._cv:
+            if ask.epoch != epoch:  # rolled back meanwhile: these answers are of gone shards
+                return False
         if state is None:
             log.warning("checkpoint step %d not made: the chief did not reach it within %.0f s "
                         "to add its buffers; keeping the last one", step, self.wait_s)
@@ -168,6 +239,9 @@ class CheckpointSaver(Hook):
         Returns why it could not be written (None: written, or nothing to write)."""
         self.save(step)
         self._capture(step)
+        with self._cv:  # no new epoch will ask again a step whose answers were lost
+            self._closing = True
+            self._cv.notify_all()
         for fut in self._buffers.values():  # asked past the end: the shards answer None too
             fut.set_result(None)
         self._buffers.clear()
