@@ -38,6 +38,19 @@ def test_a_killed_worker_rejoins_the_running_job(tmp_path, update):
         assert "update.timeout_s" not in (tmp_path / "logs" / "ps0.log").read_text()
 
 
+def _ours() -> list:
+    """This test's processes: the cluster run_cluster starts from this process (its ranks
+    are below it), not another psrpc run on the machine."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            p.info = {"name": p.name(), "pid": p.pid}
+        except psutil.Error:
+            continue
+        found.append(p)
+    return found
+
+
 def _kill_when(name: str, ready, timeout_s: float = 60) -> threading.Thread:
     """A thread that SIGKILLs process `name` (psrpc-<rank>) once `ready()` holds."""
 
@@ -45,7 +58,7 @@ def _kill_when(name: str, ready, timeout_s: float = 60) -> threading.Thread:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if ready():
-                for p in psutil.process_iter(["name"]):
+                for p in _ours():
                     if p.info["name"] == name:
                         p.kill()
                         return
@@ -105,7 +118,7 @@ def test_every_process_is_named_after_its_rank_and_logs_its_pid(tmp_path):
 
     def watch():
         while not seen.is_set():
-            for p in psutil.process_iter(["name", "pid"]):
+            for p in _ours():
                 if (p.info["name"] or "").startswith("psrpc-"):
                     names[p.info["name"]] = p.info["pid"]
             if len(names) == 3:
