@@ -7,8 +7,10 @@ the workers.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,8 +61,108 @@ def _rendezvous(url: str, **kwargs):
     # torchrun's agent store outlives a restart of the group, and the store outlives a
     # membership epoch: a fresh key space for each
     prefix = f"psrpc/attempt-{query['attempt']}/epoch-{query.get('epoch', '0')}"
-    yield dist.PrefixStore(prefix, store), rank, world_size
+    yield (_AbortableStore(dist.PrefixStore(prefix, store), _ABORT[0], timeout.total_seconds()),
+           rank, world_size)
     raise RuntimeError("psrpc's rendezvous runs once per init_rpc")  # as torch's tcp:// one
+
+
+_ABORT: list = [None]  # init's `abort`, for the rendezvous of the init_rpc under way
+WAIT_SLICE_S = 0.1  # a wait of init_rpc asks `abort` this often (the store wakes it at once)
+# An elastic group's members have all arrived when init_rpc starts (membership._gather): what
+# it waits for then besides the store (gloo connecting to each member, its collectives, torch's
+# all-gather over RPC) takes milliseconds, unless a member died meanwhile. Those waits cannot be
+# abandoned like the store's: they end after this long (at most a quarter of init_timeout_s, so
+# that the ranks waiting at the next epoch see them come).
+FORM_TIMEOUT_S = 10.0
+
+
+class GroupAbandoned(PsrpcError):
+    """init_rpc gave up: the group it was forming will never form (a newer epoch replaced it)."""
+
+
+class GroupFailed(PsrpcError):
+    """init_rpc failed as an elastic group formed (a member died meanwhile, say)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class _AbortableStore(dist.Store):
+    """The store init_rpc forms its group through, with its blocking waits done here, in
+    Python: every wait polls the store and gives up as soon as `abort()` says the group will
+    never form. Otherwise a member that dies while the group forms (after it announced itself,
+    before it connected) keeps the others in init_rpc until the store's timeout (its gloo group
+    and TensorPipe agent wait for that member's keys, in C++, with no way out), although a new
+    membership epoch was announced at once. Everything else is the wrapped store's.
+    (A Python Store must outlive every C++ user of it: each one made is kept, see _MADE.)"""
+
+    def __init__(self, inner, abort=None, limit_s: float = 0.0):
+        super().__init__()
+        self.inner, self.abort, self.limit_s = inner, abort, limit_s
+        _MADE.append(self)
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        self.wait([key])
+        return self.inner.get(key)
+
+    def multi_get(self, keys):
+        self.wait(keys)
+        return self.inner.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        self.inner.multi_set(keys, values)
+
+    def add(self, key, value):
+        return self.inner.add(key, value)
+
+    def append(self, key, value):
+        self.inner.append(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def clone(self):
+        return _AbortableStore(self.inner.clone(), self.abort, self.limit_s)
+
+    def wait(self, keys, timeout=None):
+        keys = list(keys)
+        limit = self.limit_s  # init_timeout_s, whatever the caller asks: this wait gives up
+        # at once when the group will never form; the others are bounded by FORM_TIMEOUT_S
+        deadline = time.monotonic() + limit
+        while not wait_for(self.inner, keys, WAIT_SLICE_S):
+            if self.abort is not None and self.abort():
+                raise GroupAbandoned("a newer membership epoch was announced while this group "
+                                     "was forming")
+            if limit > 0 and time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: "
+                                          f"{keys}")
+
+
+def wait_for(store, keys: list[str], timeout_s: float) -> bool:
+    """Whether every key of `keys` is set within `timeout_s` (the store wakes the wait as soon
+    as they are; its timeout is not an error here)."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except dist.DistStoreError:  # the timeout (a lost store is another error: it propagates)
+        pass
+    return bool(store.check(keys))  # and never on a wait's word alone
+
+
+_MADE: list = []
 
 
 _STORES: dict = {}  # (host, port) -> this process's client (or server), kept across epochs
@@ -91,8 +193,16 @@ def host_store(host: str, port: int, timeout_s: float):
 
 
 def store() -> Any:
-    """This process's store (after `init`)."""
+    """This process's store (after `init` or `connect_store`)."""
     return _STORES["current"]
+
+
+def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
+                  agent_store: bool = False) -> Any:
+    """This process's rendezvous store, before it joins a group (`init` uses the same one):
+    where the local launcher announces membership epochs."""
+    return _process_store(addr, port, rank, world_size, timedelta(seconds=timeout_s),
+                          agent_store)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -116,11 +226,14 @@ def _bind(host: str, port: int) -> socket.socket:
 def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_timeout_s: float,
          init_timeout_s: float, threads: int, transports: Optional[Sequence[str]],
          attempt: int = 0, interface: Optional[str] = None, agent_store: bool = False,
-         epoch: int = 0) -> None:
+         epoch: int = 0, abort: Optional[Callable[[], bool]] = None) -> None:
     """Join the RPC group; rank and world size always explicit (a missing world_size silently
     switches torch to dynamic membership). `epoch`: the membership epoch, a static group of its
     own (torch cannot take a SIGKILLed member back into a group: every membership change is a
     new group of everyone, in a fresh key space of the same store).
+
+    `abort()`: whether the group being formed never will (a newer epoch was announced): then
+    init_rpc stops waiting at once and raises GroupAbandoned.
 
     `interface`: the network interface to listen on (None: wherever the host name resolves).
     `agent_store`: torchrun's agent hosts the store at addr:port; else rank 0 hosts it, on the
@@ -135,19 +248,58 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
         os.environ["TP_SOCKET_IFNAME"] = interface
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     host = f"[{addr}]" if ":" in addr else addr  # an IPv6 literal in a URL
+    # What init_rpc waits for besides the store (which waits init_timeout_s): an elastic
+    # group's members are all there already, see FORM_TIMEOUT_S
+    form_s = init_timeout_s if abort is None else min(FORM_TIMEOUT_S, init_timeout_s / 4)
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=threads,
-        rpc_timeout=rpc_timeout_s,
+        # torch's all-gather at the end of init_rpc waits this long (the calls' default after)
+        rpc_timeout=rpc_timeout_s if abort is None else form_s,
         init_method=f"{_SCHEME}://{host}:{port}?timeout_s={init_timeout_s}&attempt={attempt}"
                     f"&agent_store={int(agent_store)}&epoch={epoch}",
         _transports=list(transports) if transports else None,
         _channels=channels(),
     )
     _fresh_rpc_module_state()
-    with warnings.catch_warnings():
-        # init_rpc builds its group through a deprecated private path; nothing for us to fix.
-        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    # init_rpc's gloo group waits torch's DEFAULT_PROCESS_GROUP_TIMEOUT (24 days) for its
+    # connections and collectives: a member that dies as the group forms would hold the others
+    # there for good. Read when the group is made (torch 2.4-2.14); ours is form_s.
+    constants = rpc.constants
+    default_pg_timeout = constants.DEFAULT_PROCESS_GROUP_TIMEOUT
+    constants.DEFAULT_PROCESS_GROUP_TIMEOUT = timedelta(seconds=form_s)
+    _ABORT[0] = abort
+    failure = None
+    try:
+        with warnings.catch_warnings():
+            # init_rpc builds its group through a deprecated private path; nothing to fix.
+            warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+            rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    except Exception as e:
+        if abort is None:
+            raise
+        failure = (type(e), _first_line(e))
+    finally:
+        constants.DEFAULT_PROCESS_GROUP_TIMEOUT = default_pg_timeout
+        _ABORT[0] = None
+    if failure is not None:
+        # The half-made group goes at once (its traceback held it): the members still waiting
+        # in it see their connections close and give up too, instead of waiting form_s
+        gc.collect()
+        abandon()
+        raise GroupAbandoned(failure[1]) if failure[0] is GroupAbandoned else GroupFailed(
+            f"{failure[0].__name__}: {failure[1]}")
+    if abort is not None:  # the calls' default, and the store's timeout (init_rpc set both)
+        rpc._set_rpc_timeout(rpc_timeout_s)
+        store().set_timeout(timedelta(seconds=rpc_timeout_s))
+
+
+def abandon() -> None:
+    """After a failed `init`: drop the agent it may have started (the group never formed)."""
+    try:
+        if rpc.api._is_current_rpc_agent_set():
+            rpc.shutdown(graceful=False)
+    except Exception:
+        pass
 
 
 def _fresh_rpc_module_state() -> None:
