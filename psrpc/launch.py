@@ -6,7 +6,9 @@ for `import torch` on 2 cores; a fork of the clean server pays none), so every r
 multirun job still gets fresh processes with no RPC state. The parent waits, and:
 - a rank that fails (an exception, or a PS or the chief dying) brings the run down at once:
   every child is terminated and the failing rank's error is raised;
-- a non-chief worker killed by a signal is lost, not fatal: the others go on;
+- a rank killed by a signal is started again and joins the running job in a new membership
+  epoch (psrpc/cluster/membership.py; the deaths seen in one poll make one epoch), within its restart
+  budget; a worker beyond it is lost, not fatal: the others go on;
 - SIGINT/SIGTERM to the parent: every child gets SIGTERM, the chief stops at its next step and
   commits a final checkpoint, and the launcher waits for every child to leave by itself (up to
   SIGNAL_GRACE_S; a second signal kills them at once). The launcher exits only once every
@@ -118,6 +120,7 @@ def _die_with_launcher(pid: int, created: float) -> None:
 def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_cls,
            launcher: tuple[int, float]) -> None:
     """Entry of one rank's process (`launcher`: the launcher's pid and start time)."""
+    membership.install_wakeup()  # first: until now SIGUSR1 was ignored (forkserver_preload)
     _die_with_launcher(*launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
     try:
@@ -137,7 +140,10 @@ def process_context():
     """The forkserver every psrpc process comes from (benchmarks start their peers from it too)."""
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first optimizer a PS builds imports it (about 1 s on 2 cores, per rank)
-    ctx.set_forkserver_preload(["psrpc.process", "torch._dynamo"])  # process: every role's code
+    # psrpc.cluster.forkserver_preload: the ranks ignore SIGUSR1 until they handle it;
+    # psrpc.process: every role's code
+    ctx.set_forkserver_preload(["psrpc.cluster.forkserver_preload", "psrpc.process",
+                                "torch._dynamo"])
     with env_defaults():  # the server and every rank forked from it; not this process
         forkserver.ensure_running()
     if not _HELPERS_STOP_AT_EXIT:
@@ -236,7 +242,7 @@ class _Cluster:
         self.lost: list[str] = []
         self.epoch = 0
         self.restarts: dict[str, int] = {}
-        store.set(membership.epoch_key(attempt), "0")
+        membership.open_attempt(store, attempt)
 
     def _start(self, rank: int) -> None:
         name = self.topo.name_of(rank)
@@ -258,19 +264,18 @@ class _Cluster:
                         and time.monotonic() - self.started > self.timeout_s):
                     raise ClusterFailed(f"the run did not finish within {self.timeout_s:g} s "
                                         "(its time limit); stopped every process")
-                failed = []
+                failed, killed = [], []
                 for name, p in list(running.items()):
                     if p.exitcode is None:
                         continue
                     del running[name]
                     if p.exitcode == 0:
                         continue
-                    outcome = self._recover(name, p.exitcode) if p.exitcode < 0 else "failed"
-                    if outcome == "restarted":
-                        running[name] = self.procs[name]  # the new process
-                    if outcome != "failed":
-                        continue
-                    failed.append(name)
+                    (killed if p.exitcode < 0 else failed).append(name)
+                if killed:  # every death seen at once: one membership epoch for all of them
+                    restarted, lost = self._recover(killed)
+                    running.update((name, self.procs[name]) for name in restarted)
+                    failed += lost
                 if failed:
                     raise ClusterFailed(_root_cause(failed, self.procs, self.errors, self.lost))
                 time.sleep(0.05)
@@ -281,36 +286,61 @@ class _Cluster:
             stop.restore()
             shutil.rmtree(self.errors, ignore_errors=True)
 
-    def _recover(self, name: str, exitcode: int) -> str:
-        """A rank killed by a signal: "restarted" (a new membership epoch), "lost" (a worker the
-        others go on without), or "failed"; raises _ChiefDied when the chief died."""
+    def _recover(self, names: list[str]) -> tuple[list[str], list[str]]:
+        """Ranks killed by a signal: each is started again (one new membership epoch for all
+        of them), or lost (a worker the others go on without), or failed. Returns (started
+        again, failed); raises _ChiefDied when the chief died."""
         c, topo = self.cfg.cluster, self.topo
-        if name == topo.chief_name:
-            raise _ChiefDied(f"{name} died ({_describe(exitcode)})")
-        is_worker = name.startswith("worker")
-        budget = c.max_worker_restarts if is_worker else c.max_ps_restarts
-        used = self.restarts.get(name, 0)
-        can = used < budget and (self.cfg.parallel.name == "data" if is_worker
-                                 else bool(self.cfg.checkpoint.dir))
-        if not can:
-            if is_worker:
+        codes = {name: self.procs[name].exitcode for name in names}
+        if topo.chief_name in codes:
+            raise _ChiefDied(f"{topo.chief_name} died ({_describe(codes[topo.chief_name])})")
+        again, failed = [], []
+        for name in names:
+            is_worker = name.startswith("worker")
+            budget = c.max_worker_restarts if is_worker else c.max_ps_restarts
+            can = (self.restarts.get(name, 0) < budget
+                   and (self.cfg.parallel.name == "data" if is_worker
+                        else bool(self.cfg.checkpoint.dir)))
+            if can:
+                again.append(name)
+            elif is_worker:
                 log.warning("%s died (%s); the others go on without it", name,
-                            _describe(exitcode))
+                            _describe(codes[name]))
                 self.lost.append(name)
-                return "lost"
-            return "failed"
-        self.restarts[name] = used + 1
+            else:
+                failed.append(name)
+        if not again or failed:  # a failure ends the run: nobody to start again
+            return [], failed
+        membership.announce(self.store, self.attempt, self.epoch + 1, again)
         self.epoch += 1
-        # What started the epoch, then the epoch itself: a rank reads them in that order.
-        self.store.set(membership.event_key(self.attempt, self.epoch), f"{name} {time.time()}")
-        self.store.set(membership.epoch_key(self.attempt), str(self.epoch))
-        log.warning("%s died (%s); starting it again (restart %d of %d), membership epoch %d",
-                    name, _describe(exitcode), used + 1, budget, self.epoch)
-        self._start(topo.rank_of(name))
-        for other, p in self.procs.items():
-            if other != name and p.exitcode is None:
-                os.kill(p.pid, signal.SIGUSR1)  # join the new epoch's group
-        return "restarted"
+        for name in again:
+            used = self.restarts[name] = self.restarts.get(name, 0) + 1
+            budget = c.max_worker_restarts if name.startswith("worker") else c.max_ps_restarts
+            log.warning("%s died (%s); starting it again (restart %d of %d), membership epoch "
+                        "%d", name, _describe(codes[name]), used, budget, self.epoch)
+            self._start(topo.rank_of(name))
+        for other, p in self.procs.items():  # a wake-up only: the store says the epoch
+            if other not in again and p.exitcode is None and _handles_wakeup(p.pid):
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        return again, []
+
+
+def _handles_wakeup(pid: int) -> bool:
+    """Whether process `pid` has its SIGUSR1 handler installed (/proc says; where there is no
+    /proc, the forkserver's SIG_IGN still keeps a rank that has none from being killed)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return not Path("/proc/self/status").exists()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
+    return True
 
 
 def _describe(exitcode: int) -> str:

@@ -28,6 +28,7 @@ from psrpc.session import chief
 from psrpc.session.chief import STOP_WAIT_S, Chief
 from psrpc.worker.data_parallel import Worker
 from psrpc.worker.pipeline import PipelineLeader
+from psrpc.worker.replica import await_change
 
 log = logging.getLogger("psrpc")
 
@@ -138,17 +139,21 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
     set_tf32(cfg.train.tf32)
     torch.manual_seed(cfg.train.seed)
 
-    def join(epoch: int) -> None:
+    def join(epoch: int, abort=None) -> None:
         comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
                   rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
                   threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
                   attempt=topo.restart_count, interface=topo.interface,
-                  agent_store=topo.agent_store, epoch=epoch)
+                  agent_store=topo.agent_store, epoch=epoch, abort=abort)
 
     if topo.role == "ps" and topo.shm_run and cfg.cluster.shm != "off" and shm.available():
         shm.hold(topo.shm_run, topo.name)  # this run is alive on this host while this PS is
-    membership.setup(topo.epoch, topo.restart_count, join)
-    join(topo.epoch)
+    # the store first: where the local launcher announces membership epochs
+    comm.connect_store(topo.master_addr, topo.master_port, topo.rank, topo.world_size,
+                       cfg.cluster.init_timeout_s, topo.agent_store)
+    membership.setup(topo.epoch, topo.restart_count, join, topo.rank,
+                     [topo.name_of(r) for r in range(topo.world_size)], cfg.cluster.init_timeout_s)
+    membership.enter()  # the newest epoch, not necessarily the one it was started for
     graceful = False
     try:
         if topo.is_chief:
@@ -194,10 +199,23 @@ def fetch_plan(cfg: Config, topo: Topology, epoch: int):
 
 
 def _run_worker(cfg: Config, topo: Topology, replica_cls) -> None:
-    worker = replica_cls(cfg, topo, fetch_plan(cfg, topo, membership.current()))
+    while True:  # the plan of the epoch this rank is in (that epoch can end before it comes)
+        try:
+            plan = fetch_plan(cfg, topo, membership.current())
+            break
+        except PsrpcError as e:
+            await_change(e)  # raises unless a membership change explains it
+            membership.rejoin()
+    worker = replica_cls(cfg, topo, plan)
     worker.plan_source = lambda epoch: fetch_plan(cfg, topo, epoch)
     worker.run()
-    comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
+    while True:
+        try:
+            comm.call_sync(topo.chief_name, chief.report_done, (topo.index, vars(worker.stats)))
+            break
+        except Exception as e:
+            await_change(e)
+            membership.rejoin()
 
 
 def _wait_for_stop(topo: Topology) -> bool:

@@ -4,6 +4,7 @@ checkpoint is started again and every shard rolls back to it; the chief's death 
 group from the checkpoint; every process is named after its rank."""
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -48,6 +49,19 @@ def _ours() -> list:
         except psutil.Error:
             continue
         found.append(p)
+    return found
+
+
+def _children_named(names) -> list:
+    """This test's processes (the ranks its launcher forked) named psrpc-<rank> in `names`:
+    never another run's on the same machine."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.name() in names:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
     return found
 
 
@@ -133,3 +147,70 @@ def test_every_process_is_named_after_its_rank_and_logs_its_pid(tmp_path):
     for rank, pid in names.items():
         first = (tmp_path / "logs" / f"{rank[6:]}.log").read_text().splitlines()[0]
         assert f"is pid {pid} (process name {rank})" in first
+
+
+def _kill_together(names, ready, gap_s: float = 0.0, timeout_s: float = 120) -> list:
+    """SIGKILL this test's processes named `names`, one right after the other (`gap_s` apart),
+    once `ready()` holds, from a thread. Returns the list the killed pids are appended to."""
+    killed: list[int] = []
+
+    def run():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ready():
+                for p in _children_named(names):
+                    p.kill()
+                    killed.append(p.pid)
+                    time.sleep(gap_s)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=run, daemon=True).start()
+    return killed
+
+
+def _chief_step(tmp_path) -> int:
+    """The last step the chief has logged (0 before the first)."""
+    log = tmp_path / "logs" / "worker0.log"
+    steps = re.findall(r"step\s+(\d+)/", log.read_text()) if log.exists() else []
+    return int(steps[-1]) if steps else 0
+
+
+def _started_again(summary) -> list[str]:
+    return sorted(n for e in summary["epochs"] for n in e["started_again"].split(","))
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.1], ids=["same-ms", "100ms-apart"])
+def test_two_workers_killed_together_both_rejoin(tmp_path, gap_s):
+    """The second death's wake-up (SIGUSR1) can reach the first one's replacement before it
+    has a handler: it must not kill it, and every rank joins the newest epoch, not the one it
+    was started for (two groups would form and neither complete). 100 ms apart the launcher
+    sees the deaths in two polls: two epochs, the first replaced before its group forms."""
+    killed = _kill_together(["psrpc-worker1", "psrpc-worker2"],
+                            lambda: _chief_step(tmp_path) >= 60, gap_s)
+    t0 = time.monotonic()
+    summary, _ = run_cluster(tmp_path, [
+        "cluster.num_workers=3", "train.steps=300", "cluster.init_timeout_s=20",
+        "fault.slow_worker=1", "fault.slow_s=0.02"], timeout_s=150)
+    assert len(killed) == 2
+    assert summary["steps"] == 300 and summary["workers_lost"] == 0
+    assert _started_again(summary) == ["worker1", "worker2"]
+    assert summary["workers_rejoined"] == 2
+    assert time.monotonic() - t0 < 120
+
+
+def test_a_ps_and_a_worker_killed_together_recover(tmp_path):
+    """A PS and a worker SIGKILLed in the same moment: both are started again, every shard
+    rolls back to the last committed checkpoint and training ends."""
+    ck = tmp_path / "ck"
+    killed = _kill_together(["psrpc-ps1", "psrpc-worker2"],
+                            lambda: (ck / "step-50" / "manifest.json").exists())
+    summary, _ = run_cluster(tmp_path, [
+        "cluster.num_ps=2", "cluster.num_workers=3", "train.steps=200", f"checkpoint.dir={ck}",
+        "checkpoint.every_steps=50", "cluster.max_ps_restarts=1", "cluster.init_timeout_s=20",
+        "fault.slow_worker=1", "fault.slow_s=0.02"], timeout_s=150)
+    assert len(killed) == 2
+    assert summary["steps"] == 200 and all(s["version"] == 200 for s in summary["shards"])
+    assert _started_again(summary) == ["ps1", "worker2"]
+    assert summary["epochs"][-1]["rolled_back_to"] in (50, 100, 150)
+

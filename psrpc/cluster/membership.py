@@ -14,6 +14,12 @@ back to the last committed checkpoint instead.
 
 A rank notices the change at its next wait: the PS at once (it only serves), the workers when
 an RPC of theirs fails because a peer left the old group, or at their next step.
+
+The store says everything; SIGUSR1 only wakes a rank up. A rank always joins the newest epoch
+the store announces (a rank started for epoch e may find e+1 there: another rank died while it
+started), and an epoch's group forms only once every rank has arrived at it (`_gather`): an
+epoch that a newer one replaces before that is abandoned by everyone, so no two groups form.
+Every wait of a join ends after cluster.init_timeout_s with a message naming who is missing.
 """
 
 from __future__ import annotations
@@ -22,14 +28,21 @@ import logging
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from psrpc.cluster import comm
+from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
 
 _CHANGE = threading.Event()  # SIGUSR1: the launcher announced a new epoch
-_STATE: dict = {"epoch": 0, "join": None, "attempt": 0}
+_STATE: dict = {"epoch": 0, "join": None, "attempt": 0, "rank": 0, "names": [],
+                "timeout_s": 120.0, "elastic": False}
+# A group that failed to form (a member died as it formed, its peers saw the connection go):
+# how long to wait for the launcher to announce the next epoch (it polls every 50 ms)
+CHANGE_GRACE_S = 10.0
+POLL_S = 0.1  # how often a rank waiting at an epoch's gathering asks for a newer epoch (the
+# store wakes it at once when the gathering ends)
 
 
 def epoch_key(attempt: int) -> str:
@@ -39,14 +52,48 @@ def epoch_key(attempt: int) -> str:
 
 def event_key(attempt: int, epoch: int) -> str:
     """The store key that says what started epoch `epoch`: 'worker2 1733000000.123' (the
-    rank started again and when its death was seen)."""
+    ranks started again, comma-separated, and when their deaths were seen)."""
     return f"psrpc/attempt-{attempt}/epoch-{epoch}/why"
 
 
-def setup(epoch: int, attempt: int, join) -> None:
-    """In a rank: its first epoch, and `join(epoch)` that joins the group of an epoch."""
-    _STATE.update(epoch=epoch, join=join, attempt=attempt)
-    signal.signal(signal.SIGUSR1, lambda signum, frame: _CHANGE.set())
+def _gather_key(attempt: int, epoch: int, what) -> str:
+    return f"psrpc/attempt-{attempt}/epoch-{epoch}/gather/{what}"
+
+
+def _on_wakeup(signum, frame) -> None:
+    _CHANGE.set()
+
+
+def install_wakeup() -> None:
+    """SIGUSR1 sets the change flag. The first thing a rank does (the forkserver it comes from
+    ignores SIGUSR1 until then: psrpc/forkserver_preload.py); the store says which epoch."""
+    signal.signal(signal.SIGUSR1, _on_wakeup)
+
+
+def setup(epoch: int, attempt: int, join: Callable[..., None], rank: int = 0,
+          names: Optional[list[str]] = None, timeout_s: float = 120.0) -> None:
+    """In a rank: the epoch it was started for, `join(epoch, abort)` that joins the group of an
+    epoch (giving up when `abort()` says a newer one replaced it), its rank, every rank's name
+    (by rank) and how long a join may wait (cluster.init_timeout_s). Needs the process's store
+    (`comm.connect_store`) where the local launcher hosts epochs."""
+    _STATE.update(epoch=epoch, join=join, attempt=attempt, rank=rank, names=list(names or []),
+                  timeout_s=timeout_s)
+    try:
+        _STATE["elastic"] = bool(comm.store().check([epoch_key(attempt)]))
+    except Exception:  # no store yet, or a foreign one: nobody announces epochs
+        _STATE["elastic"] = False
+    if signal.getsignal(signal.SIGUSR1) is not _on_wakeup:
+        install_wakeup()
+
+
+def enter() -> int:
+    """Join the group for the first time: the newest epoch where the launcher announces them
+    (not necessarily the one this rank was started for), else the one it was started for."""
+    if not _STATE["elastic"]:
+        _STATE["join"](_STATE["epoch"])
+        return _STATE["epoch"]
+    _CHANGE.clear()  # the epoch is read below: an earlier wake-up is stale
+    return _join_newest()
 
 
 def wake_on_change(event: threading.Event) -> None:
@@ -71,11 +118,7 @@ def wait_change(timeout_s: float) -> bool:
     at once where nobody announces epochs (torchrun restarts the whole group instead)."""
     if _CHANGE.is_set():
         return True
-    key = epoch_key(_STATE["attempt"])
-    try:
-        if not comm.store().check([key]):
-            return False
-    except Exception:  # no store to ask
+    if not _STATE["elastic"]:
         return False
     deadline = time.monotonic() + timeout_s
     while not _CHANGE.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
@@ -100,7 +143,8 @@ def announced() -> int:
 
 
 def why(epoch: int) -> tuple[str, Optional[float]]:
-    """(the rank started again, when its death was seen) for epoch `epoch`."""
+    """(the ranks started again, comma-separated; when their deaths were seen) for epoch
+    `epoch`."""
     try:
         name, at = comm.store().get(event_key(_STATE["attempt"], epoch)).decode().split()
         return name, float(at)
@@ -108,13 +152,93 @@ def why(epoch: int) -> tuple[str, Optional[float]]:
         return "?", None
 
 
-def rejoin() -> int:
-    """Leave this group and join the latest announced epoch's; returns that epoch."""
+def rejoin() -> Optional[int]:
+    """Leave this group and join the newest announced epoch's; returns that epoch, or None when
+    nothing newer than the current epoch was announced (a stale wake-up: nothing to do)."""
     _CHANGE.clear()  # a change announced from here on is seen at the next wait
-    target = announced()
+    if not _STATE["elastic"] or announced() <= current():
+        return None
     t0 = time.monotonic()
     comm.shutdown(graceful=False)
-    _STATE["join"](target)
-    _STATE["epoch"] = target
+    target = _join_newest()
     log.info("joined membership epoch %d in %.1f s", target, time.monotonic() - t0)
     return target
+
+
+def _me() -> str:
+    names, rank = _STATE["names"], _STATE["rank"]
+    return names[rank] if rank < len(names) else f"rank {rank}"
+
+
+def _join_newest() -> int:
+    """Join the newest epoch's group. An epoch that a newer one replaces before its group has
+    formed is abandoned for that one; each epoch's gathering waits at most
+    cluster.init_timeout_s, its group's forming less (comm.FORM_TIMEOUT_S)."""
+    timeout_s = _STATE["timeout_s"]
+    while True:
+        target = announced()
+        if not _gather(target, time.monotonic() + timeout_s):
+            continue  # a newer epoch replaced it before everyone arrived
+        try:  # given up at once when a newer epoch is announced while the group forms
+            _STATE["join"](target, lambda: announced() > target)
+        except Exception as e:
+            comm.abandon()  # whatever init_rpc left half-made
+            if _newer_within(target, CHANGE_GRACE_S):  # a rank died while the group formed
+                log.warning("membership epoch %d did not form (%s); joining epoch %d", target,
+                            first_line(e), announced())
+                continue
+            raise PsrpcError(f"{_me()}: membership epoch {target}: the RPC group did not form "
+                             f"and no newer epoch came within {CHANGE_GRACE_S:g} s: "
+                             f"{first_line(e)}") from e
+        _STATE["epoch"] = target
+        return target
+
+
+def _newer_within(epoch: int, timeout_s: float) -> bool:
+    """Whether an epoch newer than `epoch` is announced within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while announced() <= epoch:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _gather(epoch: int, deadline: float) -> bool:
+    """Arrive at `epoch` and wait for every rank there. True: everyone arrived, join its group;
+    False: a newer epoch was announced first and this one is abandoned (by everyone: the
+    decision is one compare-and-set in the store, so no rank joins an epoch others left).
+    Raises when ranks are still missing at `deadline`."""
+    s, attempt, rank = comm.store(), _STATE["attempt"], _STATE["rank"]
+    world = len(_STATE["names"])
+    state = _gather_key(attempt, epoch, "state")
+    s.set(_gather_key(attempt, epoch, rank), "1")
+    if s.add(_gather_key(attempt, epoch, "count"), 1) >= world:
+        s.compare_set(state, "", "go")  # the last to arrive (unless abandoned first)
+    while True:
+        if comm.wait_for(s, [state], POLL_S):
+            return s.get(state) == b"go"
+        newer = announced() > epoch
+        if newer or time.monotonic() >= deadline:
+            if s.compare_set(state, "", "abandoned") == b"go":
+                return True  # everyone arrived just before: this epoch's group forms
+            if newer:
+                return False
+            missing = [name for r, name in enumerate(_STATE["names"])
+                       if not s.check([_gather_key(attempt, epoch, r)])]
+            raise PsrpcError(f"{_me()}: membership epoch {epoch}: {', '.join(missing)} did not "
+                             f"join within {_STATE['timeout_s']:g} s (cluster.init_timeout_s)")
+
+
+# -- the launcher's side -----------------------------------------------------------------------
+def open_attempt(store, attempt: int) -> None:
+    """The launcher, before starting an attempt's ranks: epoch 0."""
+    store.set(epoch_key(attempt), "0")
+
+
+def announce(store, attempt: int, epoch: int, names: list[str]) -> bool:
+    """The launcher: epoch `epoch` (after `epoch - 1`) starts because `names` were started
+    again. False, and nothing announced, when the epoch key moved meanwhile."""
+    # What started the epoch, then the epoch itself: a rank reads them in that order.
+    store.set(event_key(attempt, epoch), f"{','.join(names)} {time.time()}")
+    return store.compare_set(epoch_key(attempt), str(epoch - 1), str(epoch)).decode() == str(epoch)

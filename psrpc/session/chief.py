@@ -87,16 +87,18 @@ class Chief:
         self.saver = None
         self.final_checkpoint_error: Optional[str] = None
         self.epochs: list[dict] = []  # membership epochs after the first
+        self.first_epoch = 0  # the one it joined at start
 
     def initialise(self):
         """Create the shards (fresh or restored) and hand the plan to the workers."""
         try:
             self.plan, model, dataset = bootstrap(self.cfg, self.topo, self.replica_cls.build_model)
         except Exception as e:
-            _plan_future(self.topo.epoch).set_exception(
+            _plan_future(membership.current()).set_exception(
                 PsrpcError(f"the chief failed to initialise: {e}"))
             raise
-        _plan_future(self.topo.epoch).set_result(self.plan)
+        # the epoch the chief joined: not always the one it was started for
+        _plan_future(membership.current()).set_result(self.plan)
         return model, dataset
 
     # -- membership epochs ---------------------------------------------------------------------
@@ -106,7 +108,12 @@ class Chief:
         PS was started again and lost its shards, roll every shard back to the last committed
         checkpoint; then hand out the epoch's plan. Returns it."""
         t0 = time.monotonic()
-        who, seen_at = membership.why(epoch)
+        # every epoch since the last one the chief was in (a newer one can replace an epoch
+        # before its group forms: the ranks of both were started again)
+        last = self.epochs[-1]["epoch"] if self.epochs else self.first_epoch
+        events = [membership.why(e) for e in range(last + 1, epoch + 1)]
+        who = ",".join(dict.fromkeys(n for names, _ in events for n in names.split(",")))
+        seen_at = min((at for _, at in events if at), default=None)
         held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
         found = {index for part in held for index in part}
         shards = self.plan.every_shard
@@ -195,6 +202,7 @@ class Chief:
     def run(self) -> dict:
         t_start = time.perf_counter()
         model, dataset = self.initialise()
+        self.first_epoch = membership.current()
         worker = self.replica_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
         worker.plan_source = self.begin_epoch  # the chief makes each epoch's plan itself
         self.worker_model = worker.model

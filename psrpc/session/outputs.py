@@ -91,7 +91,8 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "mean_staleness": _round(r0["mean_staleness"], 4),
         "workers_lost": len(lost),
         "restored_from_step": plan.restored_from_step,
-        "workers_rejoined": sum(e["started_again"].startswith("worker") for e in epochs),
+        "workers_rejoined": sum(n.startswith("worker") for e in epochs
+                                for n in e["started_again"].split(",")),
         "epochs": list(epochs),  # membership epochs: who joined again, when, the pause
         "stopped_early": stopped_early,
         "final_checkpoint_error": final_checkpoint_error,  # null: written (or none asked)

@@ -159,8 +159,9 @@ class Worker(Replica):
     def rejoin(self) -> tuple[list[Reply], list[int]]:
         """Join the new membership epoch's group, take its plan, pull the parameters."""
         epoch = membership.rejoin()
-        self.rebind(self.plan_source(epoch))
-        self._data_step = None  # async: from the current version again
+        if epoch is not None:  # None: nothing newer after all (a stale wake-up)
+            self.rebind(self.plan_source(epoch))
+            self._data_step = None  # async: from the current version again
         replies = self.client.pull()
         return replies, self.load(replies)
 

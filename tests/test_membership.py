@@ -1,0 +1,49 @@
+"""Membership epochs against a real store, without a cluster: the store decides (an epoch
+replaced before every rank arrived is abandoned by every rank), and a join that waits too long
+says who is missing. The clusters themselves are in test_elastic.py."""
+
+import signal
+import threading
+import time
+
+import pytest
+
+from psrpc.cluster import comm, membership
+from psrpc.errors import PsrpcError
+from psrpc.launch import free_port
+
+pytestmark = pytest.mark.timeout(60)
+NAMES = ["ps0", "worker0", "worker1"]
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """The launcher's store, this process a rank of it (ps0 unless a test says)."""
+    server = comm.host_store("127.0.0.1", free_port(), 10)
+    monkeypatch.setitem(comm._STORES, "current", server)
+    monkeypatch.setattr(membership, "_STATE", dict(membership._STATE))
+    previous = signal.getsignal(signal.SIGUSR1)
+    membership.open_attempt(server, 0)
+    membership.setup(0, 0, lambda *a: None, 0, NAMES, timeout_s=1.0)
+    membership._CHANGE.clear()
+    yield server
+    membership._CHANGE.clear()
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_an_epoch_replaced_before_every_rank_arrived_is_abandoned_by_every_rank(store):
+    membership.announce(store, 0, 1, ["worker1"])
+    threading.Timer(0.3, membership.announce, (store, 0, 2, ["worker0"])).start()
+    assert membership._gather(1, time.monotonic() + 5) is False  # ps0 waited, then left
+    for rank in (1, 2):  # the others arrive late: all three are there, but it is abandoned
+        membership._STATE["rank"] = rank
+        assert membership._gather(1, time.monotonic() + 5) is False
+
+
+def test_a_rank_missing_from_an_epoch_is_named_after_the_timeout(store):
+    membership._STATE["rank"] = 1
+    t0 = time.monotonic()
+    with pytest.raises(PsrpcError, match=r"^worker0: membership epoch 0: ps0, worker1 did not "
+                                         r"join within 1 s \(cluster.init_timeout_s\)"):
+        membership._join_newest()
+    assert time.monotonic() - t0 < 5
