@@ -7,8 +7,9 @@ multirun job still gets fresh processes with no RPC state. The parent waits, and
 - a rank that fails (an exception, or a PS or the chief dying) brings the run down at once:
   every child is terminated and the failing rank's error is raised;
 - a rank killed by a signal is started again and joins the running job in a new membership
-  epoch (psrpc/cluster/membership.py; the deaths seen in one poll make one epoch), within its restart
-  budget; a worker beyond it is lost, not fatal: the others go on;
+  epoch (psrpc/cluster/membership.py; the deaths seen in one poll make one epoch), within its
+  restart budget; a worker beyond it is lost, not fatal: the others go on. Once the chief has
+  ended training nobody is started again: a rank lost then is lost;
 - SIGINT/SIGTERM to the parent: every child gets SIGTERM, the chief stops at its next step and
   commits a final checkpoint, and the launcher waits for every child to leave by itself (up to
   SIGNAL_GRACE_S; a second signal kills them at once). The launcher exits only once every
@@ -289,11 +290,15 @@ class _Cluster:
     def _recover(self, names: list[str]) -> tuple[list[str], list[str]]:
         """Ranks killed by a signal: each is started again (one new membership epoch for all
         of them), or lost (a worker the others go on without), or failed. Returns (started
-        again, failed); raises _ChiefDied when the chief died."""
+        again, failed); raises _ChiefDied when the chief died. Once the chief has ended
+        training nobody is started again: the chief joins no epoch after that, and a rank it
+        still needs (a PS for the outputs) fails the chief, which reports it."""
         c, topo = self.cfg.cluster, self.topo
         codes = {name: self.procs[name].exitcode for name in names}
         if topo.chief_name in codes:
             raise _ChiefDied(f"{topo.chief_name} died ({_describe(codes[topo.chief_name])})")
+        if membership.training_over(self.store, self.attempt):
+            return [], self._after_training(names, codes)
         again, failed = [], []
         for name in names:
             is_worker = name.startswith("worker")
@@ -311,7 +316,8 @@ class _Cluster:
                 failed.append(name)
         if not again or failed:  # a failure ends the run: nobody to start again
             return [], failed
-        membership.announce(self.store, self.attempt, self.epoch + 1, again)
+        if not membership.announce(self.store, self.attempt, self.epoch + 1, again):
+            return [], self._after_training(again, codes)  # the chief ended training meanwhile
         self.epoch += 1
         for name in again:
             used = self.restarts[name] = self.restarts.get(name, 0) + 1
@@ -326,6 +332,13 @@ class _Cluster:
                 except ProcessLookupError:
                     pass
         return again, []
+
+    def _after_training(self, names: list[str], codes: dict) -> list[str]:
+        for name in names:
+            log.warning("%s died (%s) after training ended; not started again", name,
+                        _describe(codes[name]))
+            self.lost.append(name)
+        return []
 
 
 def _handles_wakeup(pid: int) -> bool:

@@ -175,15 +175,33 @@ def replica_class(parallel: str):
 def _run_chief(cfg: Config, topo: Topology, out_dir: Path, replica_cls) -> bool:
     session = Chief(cfg, topo, out_dir, replica_cls)
     session.run()
-    graceful = not session.lost
     lost = {f"worker{w}" for w in session.lost}
     peers = [n for n in topo.ps_names + topo.worker_names[1:] if n not in lost]
-    for name, fut in [(n, comm.call(n, stop_serving, (graceful,), timeout_s=10)) for n in peers]:
+    # Graceful only when every peer is there: torch's graceful shutdown waits for each one
+    # (a worker can die after its done report, during the final evaluation say)
+    answers = dict(zip(peers, _answer(peers)))
+    graceful = not session.lost and all(answers.values())
+    for name, fut in [(n, comm.call(n, stop_serving, (graceful,), timeout_s=10))
+                      for n in peers if answers[n]]:
         try:
             fut.wait()
         except Exception as e:  # it is leaving anyway; shutdown below does not wait for it
             log.warning("%s did not acknowledge the stop: %s", name, first_line(e))
     return graceful
+
+
+def _answer(peers: list[str]) -> list[bool]:
+    """Whether each peer still answers an RPC (all asked at once)."""
+    futures = [comm.call(n, chief.ping, timeout_s=5) for n in peers]
+    answers = []
+    for name, fut in zip(peers, futures):
+        try:
+            fut.wait()
+            answers.append(True)
+        except Exception:
+            log.warning("%s does not answer: leaving without it", name)
+            answers.append(False)
+    return answers
 
 
 def fetch_plan(cfg: Config, topo: Topology, epoch: int):

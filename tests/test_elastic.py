@@ -4,6 +4,7 @@ checkpoint is started again and every shard rolls back to it; the chief's death 
 group from the checkpoint; every process is named after its rank."""
 
 import json
+import logging
 import re
 import shutil
 import threading
@@ -214,3 +215,19 @@ def test_a_ps_and_a_worker_killed_together_recover(tmp_path):
     assert _started_again(summary) == ["ps1", "worker2"]
     assert summary["epochs"][-1]["rolled_back_to"] in (50, 100, 150)
 
+
+def test_a_worker_killed_during_the_final_evaluation_is_not_started_again(tmp_path, caplog):
+    """Training is over (the chief evaluates the final model): a worker lost now is not
+    started again (the chief would never join that epoch and the others would wait for it):
+    the run ends with its outputs."""
+    caplog.set_level(logging.WARNING, logger="psrpc")
+    killed = _kill_together(["psrpc-worker1"], lambda: _chief_step(tmp_path) >= 20
+                            and (time.sleep(1.0) or True))  # into the final evaluation
+    t0 = time.monotonic()
+    summary, state = run_cluster(tmp_path, [
+        "model=cnn", "data.test_size=20000", "train.steps=20"], timeout_s=120)
+    assert len(killed) == 1 and state
+    assert summary["steps"] == 20 and summary["workers_rejoined"] == 0
+    assert summary["test_accuracy"] is not None
+    assert "worker1 died (killed by SIGKILL) after training ended; not started again" in caplog.text
+    assert time.monotonic() - t0 < 90

@@ -1,6 +1,7 @@
-"""Membership epochs against a real store, without a cluster: the store decides (an epoch
-replaced before every rank arrived is abandoned by every rank), and a join that waits too long
-says who is missing. The clusters themselves are in test_elastic.py."""
+"""Membership epochs against a real store, without a cluster: the store decides (an epoch the
+launcher announces and the chief ending training exclude each other; an epoch replaced before
+every rank arrived is abandoned by every rank), and a join that waits too long says who is
+missing. The clusters themselves are in test_elastic.py."""
 
 import signal
 import threading
@@ -29,6 +30,15 @@ def store(monkeypatch):
     yield server
     membership._CHANGE.clear()
     signal.signal(signal.SIGUSR1, previous)
+
+
+def test_an_epoch_announced_first_is_joined_before_training_may_end(store):
+    assert membership.announce(store, 0, 1, ["worker1"])
+    assert not membership.finish() and membership.changing()  # the chief joins epoch 1 first
+    membership._STATE["epoch"] = 1
+    assert membership.finish()
+    assert not membership.announce(store, 0, 2, ["worker1"])  # after it: nobody started again
+    assert membership.training_over(store, 0) and membership.announced() == 1
 
 
 def test_an_epoch_replaced_before_every_rank_arrived_is_abandoned_by_every_rank(store):

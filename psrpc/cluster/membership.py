@@ -20,6 +20,8 @@ the store announces (a rank started for epoch e may find e+1 there: another rank
 started), and an epoch's group forms only once every rank has arrived at it (`_gather`): an
 epoch that a newer one replaces before that is abandoned by everyone, so no two groups form.
 Every wait of a join ends after cluster.init_timeout_s with a message naming who is missing.
+When the chief ends training it marks the epoch key finished (`finish`): from then on the
+launcher starts no lost rank again (`announce` fails), so no epoch starts that nobody joins.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ log = logging.getLogger("psrpc")
 _CHANGE = threading.Event()  # SIGUSR1: the launcher announced a new epoch
 _STATE: dict = {"epoch": 0, "join": None, "attempt": 0, "rank": 0, "names": [],
                 "timeout_s": 120.0, "elastic": False}
+FINISHED = "finished"  # the epoch key's value once the chief has ended training: "3 finished"
 # A group that failed to form (a member died as it formed, its peers saw the connection go):
 # how long to wait for the launcher to announce the next epoch (it polls every 50 ms)
 CHANGE_GRACE_S = 10.0
@@ -46,7 +49,8 @@ POLL_S = 0.1  # how often a rank waiting at an epoch's gathering asks for a newe
 
 
 def epoch_key(attempt: int) -> str:
-    """The store key of the latest epoch (set by the local launcher)."""
+    """The store key of the latest epoch (set by the local launcher): "3", or "3 finished"
+    once training is over (no epoch starts after that)."""
     return f"psrpc/attempt-{attempt}/epoch"
 
 
@@ -137,9 +141,14 @@ def current() -> int:
     return _STATE["epoch"]
 
 
+def _parse(value: bytes) -> tuple[int, bool]:
+    parts = value.decode().split()
+    return int(parts[0]), FINISHED in parts[1:]
+
+
 def announced() -> int:
     """The latest epoch the launcher announced."""
-    return int(comm.store().get(epoch_key(_STATE["attempt"])))
+    return _parse(comm.store().get(epoch_key(_STATE["attempt"])))[0]
 
 
 def why(epoch: int) -> tuple[str, Optional[float]]:
@@ -230,15 +239,34 @@ def _gather(epoch: int, deadline: float) -> bool:
                              f"join within {_STATE['timeout_s']:g} s (cluster.init_timeout_s)")
 
 
+def finish() -> bool:
+    """The chief, as training ends: from here on no epoch starts (the launcher starts no lost
+    rank again). False when one was announced after this rank's epoch: the change is then
+    pending (`changing()`), to be joined before training can end. True where nobody announces
+    epochs."""
+    if not _STATE["elastic"]:
+        return True
+    cur = str(current())
+    done = f"{cur} {FINISHED}"
+    if comm.store().compare_set(epoch_key(_STATE["attempt"]), cur, done).decode() == done:
+        return True
+    _CHANGE.set()
+    return False
+
+
 # -- the launcher's side -----------------------------------------------------------------------
 def open_attempt(store, attempt: int) -> None:
     """The launcher, before starting an attempt's ranks: epoch 0."""
     store.set(epoch_key(attempt), "0")
 
 
+def training_over(store, attempt: int) -> bool:
+    return _parse(store.get(epoch_key(attempt)))[1]
+
+
 def announce(store, attempt: int, epoch: int, names: list[str]) -> bool:
     """The launcher: epoch `epoch` (after `epoch - 1`) starts because `names` were started
-    again. False, and nothing announced, when the epoch key moved meanwhile."""
+    again. False, and nothing announced, when the chief has ended training meanwhile."""
     # What started the epoch, then the epoch itself: a rank reads them in that order.
     store.set(event_key(attempt, epoch), f"{','.join(names)} {time.time()}")
     return store.compare_set(epoch_key(attempt), str(epoch - 1), str(epoch)).decode() == str(epoch)

@@ -228,7 +228,14 @@ class Chief:
                                     lambda: evaluate_now()[0],
                                     lambda: worker.build_model(self.cfg, worker.data)))
         t_train = time.perf_counter()
-        worker.run(self.after_step)
+        while True:
+            worker.run(self.after_step)
+            # From here on the launcher starts no lost rank again; unless it just announced an
+            # epoch: join it (the rank started again needs its plan, and a PS started again
+            # rolls every shard back: then training goes on)
+            if membership.finish():
+                break
+            log.warning("a rank was started again as training ended; joining its epoch")
         wall_s = time.perf_counter() - t_train
         _FINISHING.set()
         self.final_checkpoint()  # first: a signal gives little time, and it needs no one else
