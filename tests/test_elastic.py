@@ -40,19 +40,6 @@ def test_a_killed_worker_rejoins_the_running_job(tmp_path, update):
         assert "update.timeout_s" not in (tmp_path / "logs" / "ps0.log").read_text()
 
 
-def _ours() -> list:
-    """This test's processes: the cluster run_cluster starts from this process (its ranks
-    are below it), not another psrpc run on the machine."""
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            p.info = {"name": p.name(), "pid": p.pid}
-        except psutil.Error:
-            continue
-        found.append(p)
-    return found
-
-
 def _children_named(names) -> list:
     """This test's processes (the ranks its launcher forked) named psrpc-<rank> in `names`:
     never another run's on the same machine."""
@@ -67,16 +54,15 @@ def _children_named(names) -> list:
 
 
 def _kill_when(name: str, ready, timeout_s: float = 60) -> threading.Thread:
-    """A thread that SIGKILLs process `name` (psrpc-<rank>) once `ready()` holds."""
+    """A thread that SIGKILLs this test's process `name` (psrpc-<rank>) once `ready()` holds."""
 
     def run():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if ready():
-                for p in _ours():
-                    if p.info["name"] == name:
-                        p.kill()
-                        return
+                for p in _children_named([name]):
+                    p.kill()
+                    return
             time.sleep(0.1)
 
     t = threading.Thread(target=run, daemon=True)
@@ -133,9 +119,12 @@ def test_every_process_is_named_after_its_rank_and_logs_its_pid(tmp_path):
 
     def watch():
         while not seen.is_set():
-            for p in _ours():
-                if (p.info["name"] or "").startswith("psrpc-"):
-                    names[p.info["name"]] = p.info["pid"]
+            for p in _children_named({"psrpc-ps0", "psrpc-worker0", "psrpc-worker1",
+                                      "psrpc-worker2"}):  # this test's: not another run's
+                try:
+                    names[p.name()] = p.pid
+                except psutil.NoSuchProcess:
+                    pass
             if len(names) == 3:
                 seen.set()
             time.sleep(0.05)
