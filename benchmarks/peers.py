@@ -129,7 +129,7 @@ def run_ranks(rank_fn, world: int, *args) -> dict:
     """Start `world` processes `rank_fn(rank, world, port, *args, out)` from the forkserver
     psrpc's own processes come from (the same start-up), wait for them, and return what rank 0
     put in `out`."""
-    from psrpc.launch import process_context
+    from psrpc.spawn import process_context
 
     ctx = process_context()
     out = ctx.SimpleQueue()

@@ -18,7 +18,6 @@ multirun job still gets fresh processes with no RPC state. The parent waits, and
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -26,22 +25,17 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
-import traceback
 from dataclasses import replace
-from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Optional
 
-import psutil
-
-from psrpc.cluster import comm, membership, netif, shm
+from psrpc import spawn
+from psrpc.cluster import membership, netif, shm
+from psrpc.cluster.store import host_store
 from psrpc.cluster.topology import Topology, pipeline_stages
 from psrpc.config import Config
-from psrpc.environment import env_defaults
 from psrpc.errors import ConfigError, PsrpcError
-from psrpc.process import run_rank
 
 log = logging.getLogger("psrpc")
 # User's SIGTERM/SIGINT: how long the chief gets to end its step, commit the final checkpoint
@@ -49,7 +43,6 @@ log = logging.getLogger("psrpc")
 # is skipped). torchrun gives 30 s between its SIGTERM and SIGKILL: the same here.
 SIGNAL_GRACE_S = 30.0
 FAILURE_GRACE_S = 0.0  # a rank failed (or the run timed out): SIGKILL at once, no outputs as if done
-HELPER_STOP_S = 5.0  # the forkserver and resource tracker leave in milliseconds once told
 
 
 class ClusterFailed(PsrpcError):
@@ -96,87 +89,6 @@ def local_interface(cfg: Config) -> str:
     return loopback
 
 
-LAUNCHER_WATCH_S = 0.5  # how often a rank checks that its launcher is still there
-
-
-def _die_with_launcher(pid: int, created: float) -> None:
-    """Leave at once when the launcher is gone (even killed with SIGKILL): no rank trains on as
-    an orphan. The ranks' parent is multiprocessing's forkserver, which itself stays until every
-    rank has left, so the parent-death signal cannot do this; a thread watches the launcher's
-    pid (and its start time, so a reused pid does not count)."""
-    def watch():
-        while True:
-            time.sleep(LAUNCHER_WATCH_S)
-            try:
-                alive = psutil.Process(pid).create_time() == created
-            except psutil.NoSuchProcess:
-                alive = False
-            if not alive:
-                log.error("the launcher (pid %d) is gone; leaving", pid)
-                os._exit(1)
-
-    threading.Thread(target=watch, name="psrpc-launcher-watch", daemon=True).start()
-
-
-def _child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_cls,
-           launcher: tuple[int, float]) -> None:
-    """Entry of one rank's process (`launcher`: the launcher's pid and start time)."""
-    membership.install_wakeup()  # first: until now SIGUSR1 was ignored (forkserver_preload)
-    _die_with_launcher(*launcher)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
-    try:
-        run_rank(cfg, topo, Path(out_dir), replica_cls)
-    except BaseException as e:  # report once, then exit non-zero
-        if isinstance(e, PsrpcError):  # bad input or a lost peer: the message says it all
-            logged = line = str(e)
-        else:  # a bug: the traceback goes to this rank's log, one line to the launcher
-            logged = traceback.format_exc().rstrip()
-            line = f"{type(e).__name__}: {e} (traceback in its log)"
-        log.error("%s", logged)
-        Path(error_file).write_text(line)
-        os._exit(1)
-
-
-def process_context():
-    """The forkserver every psrpc process comes from (benchmarks start their peers from it too)."""
-    ctx = mp.get_context("forkserver")
-    # torch._dynamo: the first optimizer a PS builds imports it (about 1 s on 2 cores, per rank)
-    # psrpc.cluster.forkserver_preload: the ranks ignore SIGUSR1 until they handle it;
-    # psrpc.process: every role's code
-    ctx.set_forkserver_preload(["psrpc.cluster.forkserver_preload", "psrpc.process",
-                                "torch._dynamo"])
-    with env_defaults():  # the server and every rank forked from it; not this process
-        forkserver.ensure_running()
-    if not _HELPERS_STOP_AT_EXIT:
-        _HELPERS_STOP_AT_EXIT.append(True)
-        atexit.register(stop_helpers)
-    return ctx
-
-
-_HELPERS_STOP_AT_EXIT: list[bool] = []
-
-
-def stop_helpers() -> None:
-    """Stop multiprocessing's forkserver and resource tracker, the launcher's own children, and
-    wait for them (at exit: they are shared by every run and multirun job of this process).
-    Left alone they leave only after the launcher has gone. multiprocessing has no public
-    call for this: its private `_stop` when present, bounded; a helper still there is killed."""
-    for helper, pid_attr in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid"),
-                             (getattr(resource_tracker, "_resource_tracker", None), "_pid")):
-        pid, stop = getattr(helper, pid_attr, None), getattr(helper, "_stop", None)
-        if pid is None or stop is None:
-            continue
-        waiter = threading.Thread(target=stop, daemon=True)  # os.waitpid has no timeout
-        waiter.start()
-        waiter.join(HELPER_STOP_S)
-        if waiter.is_alive():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            waiter.join(HELPER_STOP_S)
-
-
 def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
            replica_cls=None) -> list[str]:
     """Run the cluster to the end. Returns the names of lost workers; raises ClusterFailed.
@@ -194,7 +106,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     port = choose_port(cfg)
     topo = Topology(P, W, master_addr="127.0.0.1", master_port=port, stages=pipeline_stages(cfg),
                     interface=local_interface(cfg), shm_run=shm.new_run())
-    store = comm.host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
+    store = host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
     if cfg.cluster.shm != "off" and shm.available():
         shm.remove_stale()  # runs on this host whose processes are all gone (kill -9 of a run)
     try:
@@ -222,10 +134,6 @@ def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
                         "checkpoint (restart %d of %d)", e, attempt, cfg.cluster.max_ps_restarts)
 
 
-def _this_process() -> tuple[int, float]:
-    return os.getpid(), psutil.Process().create_time()
-
-
 class _ChiefDied(ClusterFailed):
     """The chief died: its session is gone, the whole group starts again from a checkpoint."""
 
@@ -237,7 +145,7 @@ class _Cluster:
         self.cfg, self.topo, self.out_dir, self.replica_cls = cfg, topo, out_dir, replica_cls
         self.store, self.attempt = store, attempt
         self.started, self.timeout_s = limit  # the run's start, its time limit (None: none)
-        self.ctx = process_context()
+        self.ctx = spawn.process_context()
         self.errors = Path(tempfile.mkdtemp(prefix="psrpc-"))  # each rank's one-line error
         self.procs: dict[str, mp.Process] = {}
         self.lost: list[str] = []
@@ -248,9 +156,9 @@ class _Cluster:
     def _start(self, rank: int) -> None:
         name = self.topo.name_of(rank)
         topo = replace(self.topo.with_rank(rank, self.epoch), restart_count=self.attempt)
-        self.procs[name] = self.ctx.Process(target=_child, name=name, daemon=False, args=(
+        self.procs[name] = self.ctx.Process(target=spawn.child, name=name, daemon=False, args=(
             self.cfg, topo, str(self.out_dir), str(self.errors / f"{name}.err"),
-            self.replica_cls, _this_process()))
+            self.replica_cls, spawn.this_process()))
         self.procs[name].start()
 
     def run(self) -> list[str]:

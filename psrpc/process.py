@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from psrpc.cluster import comm, membership, shm
+from psrpc.cluster import comm, membership, shm, store
 from psrpc.cluster.comm import rpc_timeout_s
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config
@@ -149,7 +149,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
     if topo.role == "ps" and topo.shm_run and cfg.cluster.shm != "off" and shm.available():
         shm.hold(topo.shm_run, topo.name)  # this run is alive on this host while this PS is
     # the store first: where the local launcher announces membership epochs
-    comm.connect_store(topo.master_addr, topo.master_port, topo.rank, topo.world_size,
+    store.connect_store(topo.master_addr, topo.master_port, topo.rank, topo.world_size,
                        cfg.cluster.init_timeout_s, topo.agent_store)
     membership.setup(topo.epoch, topo.restart_count, join, topo.rank,
                      [topo.name_of(r) for r in range(topo.world_size)], cfg.cluster.init_timeout_s)

@@ -17,8 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MNIST_ROOT = ROOT.parent / "shared" / "data"
 
 # Small and quick: the CPU suite runs many clusters on 2 cores.
+# The built-in synthetic data's sizes: dropped where a test gives a data factory of its own (an
+# override of data.* applies to a factory given from Python, and that one takes its own keys).
+SYNTHETIC = ["data.size=2048", "data.test_size=256"]
 FAST = ["train.steps=20", "train.batch_size=16", "train.log_every=10", "train.warmup_steps=2",
-        "data.size=2048", "data.test_size=256", "update.timeout_s=30"]
+        *SYNTHETIC, "update.timeout_s=30"]
 # The suite runs on CPU even where CUDA is (train.device=auto would take it): its comparisons are
 # bit-exact or nearly, which only holds for the same kernels. A test that wants CUDA says
 # train.device=cuda (test_gpu.py).
@@ -45,6 +48,8 @@ def compose(overrides=(), check: bool = True, **factories):
     from psrpc.api import compose as psrpc_compose
     from psrpc.validate import check_run
 
+    if factories.get("data") is not None:
+        overrides = [o for o in overrides if o not in SYNTHETIC]
     cfg = psrpc_compose(on_cpu(overrides), cwd=str(ROOT), **factories)
     if check:
         check_run(cfg)

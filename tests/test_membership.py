@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from psrpc.cluster import comm, membership
+from psrpc.cluster import membership
+from psrpc.cluster import store as rendezvous
 from psrpc.errors import PsrpcError
 from psrpc.launch import free_port
 
@@ -20,8 +21,8 @@ NAMES = ["ps0", "worker0", "worker1"]
 @pytest.fixture
 def store(monkeypatch):
     """The launcher's store, this process a rank of it (ps0 unless a test says)."""
-    server = comm.host_store("127.0.0.1", free_port(), 10)
-    monkeypatch.setitem(comm._STORES, "current", server)
+    server = rendezvous.host_store("127.0.0.1", free_port(), 10)
+    monkeypatch.setitem(rendezvous._STORES, "current", server)
     monkeypatch.setattr(membership, "_STATE", dict(membership._STATE))
     previous = signal.getsignal(signal.SIGUSR1)
     membership.open_attempt(server, 0)

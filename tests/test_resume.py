@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from psrpc import checkpoint
 from tests.conftest import assert_equal_model, assert_same_model, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,8 +100,10 @@ def test_truncated_newest_shard_file_restores_previous_with_warning(tmp_path):
     assert summary["restored_from_step"] == 30 and summary["steps"] == 50
     log = (tmp_path / "second" / "logs" / "worker0.log").read_text()
     assert f"checkpoint step 40 skipped: {bad} is truncated or corrupt" in log
-    # The rerun passes step 40 again: the earlier run's committed step-40 is left as it was
-    # (never overwritten), and the rerun's next checkpoint is made as usual.
-    assert {f.name: f.read_bytes() for f in (ck / "step-40").iterdir()} == step40
-    assert "checkpoint step 40 not made" in log and "never overwritten" in log
-    assert (ck / "step-50" / "manifest.json").exists()
+    # A step that does not load counts for nothing: the earlier run's step-40 is set aside as
+    # it was (step-40.corrupt, never overwritten nor deleted), and the rerun makes step 40
+    # again, and 50, both loadable.
+    assert {f.name: f.read_bytes() for f in (ck / "step-40.corrupt").iterdir()} == step40
+    assert "checkpoint step-40 does not load" in log and "moved to step-40.corrupt" in log
+    assert (ck / "step-40" / "manifest.json").exists()
+    assert checkpoint.find_latest(str(ck)).step == 50

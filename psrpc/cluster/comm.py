@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
-import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +20,9 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from psrpc.errors import PsrpcError
+from psrpc.cluster import store
+from psrpc.cluster.store import FORM_TIMEOUT_S, GroupAbandoned, _AbortableStore, _process_store
+from psrpc.errors import PsrpcError, first_line
 
 # A function or method that returns a Future: the RPC thread is released while it waits
 # (a worker parked at the sync barrier holds no thread).
@@ -67,160 +67,8 @@ def _rendezvous(url: str, **kwargs):
 
 
 _ABORT: list = [None]  # init's `abort`, for the rendezvous of the init_rpc under way
-WAIT_SLICE_S = 0.1  # a wait of init_rpc asks `abort` this often (the store wakes it at once)
-# An elastic group's members have all arrived when init_rpc starts (membership._gather): what
-# it waits for then besides the store (gloo connecting to each member, its collectives, torch's
-# all-gather over RPC) takes milliseconds, unless a member died meanwhile. Those waits cannot be
-# abandoned like the store's: they end after this long (at most a quarter of init_timeout_s, so
-# that the ranks waiting at the next epoch see them come).
-FORM_TIMEOUT_S = 10.0
-
-
-class GroupAbandoned(PsrpcError):
-    """init_rpc gave up: the group it was forming will never form (a newer epoch replaced it)."""
-
-
 class GroupFailed(PsrpcError):
     """init_rpc failed as an elastic group formed (a member died meanwhile, say)."""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-class _AbortableStore(dist.Store):
-    """The store init_rpc forms its group through, with its blocking waits done here, in
-    Python: every wait polls the store and gives up as soon as `abort()` says the group will
-    never form. Otherwise a member that dies while the group forms (after it announced itself,
-    before it connected) keeps the others in init_rpc until the store's timeout (its gloo group
-    and TensorPipe agent wait for that member's keys, in C++, with no way out), although a new
-    membership epoch was announced at once. Everything else is the wrapped store's.
-    (A Python Store must outlive every C++ user of it: each one made is kept, see _MADE.)"""
-
-    def __init__(self, inner, abort=None, limit_s: float = 0.0):
-        super().__init__()
-        self.inner, self.abort, self.limit_s = inner, abort, limit_s
-        _MADE.append(self)
-
-    def set(self, key, value):
-        self.inner.set(key, value)
-
-    def get(self, key):
-        self.wait([key])
-        return self.inner.get(key)
-
-    def multi_get(self, keys):
-        self.wait(keys)
-        return self.inner.multi_get(keys)
-
-    def multi_set(self, keys, values):
-        self.inner.multi_set(keys, values)
-
-    def add(self, key, value):
-        return self.inner.add(key, value)
-
-    def append(self, key, value):
-        self.inner.append(key, value)
-
-    def compare_set(self, key, expected, desired):
-        return self.inner.compare_set(key, expected, desired)
-
-    def check(self, keys):
-        return self.inner.check(keys)
-
-    def delete_key(self, key):
-        return self.inner.delete_key(key)
-
-    def num_keys(self):
-        return self.inner.num_keys()
-
-    def clone(self):
-        return _AbortableStore(self.inner.clone(), self.abort, self.limit_s)
-
-    def wait(self, keys, timeout=None):
-        keys = list(keys)
-        limit = self.limit_s  # init_timeout_s, whatever the caller asks: this wait gives up
-        # at once when the group will never form; the others are bounded by FORM_TIMEOUT_S
-        deadline = time.monotonic() + limit
-        while not wait_for(self.inner, keys, WAIT_SLICE_S):
-            if self.abort is not None and self.abort():
-                raise GroupAbandoned("a newer membership epoch was announced while this group "
-                                     "was forming")
-            if limit > 0 and time.monotonic() >= deadline:
-                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: "
-                                          f"{keys}")
-
-
-def wait_for(store, keys: list[str], timeout_s: float) -> bool:
-    """Whether every key of `keys` is set within `timeout_s` (the store wakes the wait as soon
-    as they are; its timeout is not an error here)."""
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except dist.DistStoreError:  # the timeout (a lost store is another error: it propagates)
-        pass
-    return bool(store.check(keys))  # and never on a wait's word alone
-
-
-_MADE: list = []
-
-
-_STORES: dict = {}  # (host, port) -> this process's client (or server), kept across epochs
-
-
-def _process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
-                   agent_store: bool):
-    """The rendezvous store, made once per process and address: torchrun's agent or the local
-    launcher hosts it (agent_store), else rank 0 does, on the address `host` resolves to."""
-    key = (host, port)
-    if key not in _STORES:
-        if agent_store or rank != 0:
-            _STORES[key] = dist.TCPStore(host, port, world_size, False, timeout)
-        else:
-            listener = _bind(host, port)
-            _STORES[key] = dist.TCPStore(host, port, world_size, True, timeout,
-                                         master_listen_fd=listener.detach())
-        _STORES["current"] = _STORES[key]
-    return _STORES[key]
-
-
-def host_store(host: str, port: int, timeout_s: float):
-    """The local launcher's store (the ranks are its clients): it outlives every rank, so a
-    rank started again finds it, and the launcher announces membership epochs in it."""
-    listener = _bind(host, port)
-    return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=listener.detach())
-
-
-def store() -> Any:
-    """This process's store (after `init` or `connect_store`)."""
-    return _STORES["current"]
-
-
-def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
-                  agent_store: bool = False) -> Any:
-    """This process's rendezvous store, before it joins a group (`init` uses the same one):
-    where the local launcher announces membership epochs."""
-    return _process_store(addr, port, rank, world_size, timedelta(seconds=timeout_s),
-                          agent_store)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to the address `host` resolves to (127.0.0.1 for the local launcher):
-    where every rank connects, and nowhere else."""
-    sock = None
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as e:
-        if sock is not None:
-            sock.close()
-        raise PsrpcError(f"MASTER_ADDR={host!r} MASTER_PORT={port}: the rendezvous store cannot "
-                         f"listen there ({e.strerror or e}); MASTER_ADDR must be an address of "
-                         "this machine that the other ranks reach") from None
-    return sock
 
 
 def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_timeout_s: float,
@@ -277,7 +125,7 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
     except Exception as e:
         if abort is None:
             raise
-        failure = (type(e), _first_line(e))
+        failure = (type(e), first_line(e))
     finally:
         constants.DEFAULT_PROCESS_GROUP_TIMEOUT = default_pg_timeout
         _ABORT[0] = None
@@ -290,7 +138,7 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
             f"{failure[0].__name__}: {failure[1]}")
     if abort is not None:  # the calls' default, and the store's timeout (init_rpc set both)
         rpc._set_rpc_timeout(rpc_timeout_s)
-        store().set_timeout(timedelta(seconds=rpc_timeout_s))
+        store.store().set_timeout(timedelta(seconds=rpc_timeout_s))
 
 
 def abandon() -> None:

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from psrpc.cluster import comm
+from psrpc.cluster import comm, store
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
@@ -79,11 +79,11 @@ def setup(epoch: int, attempt: int, join: Callable[..., None], rank: int = 0,
     """In a rank: the epoch it was started for, `join(epoch, abort)` that joins the group of an
     epoch (giving up when `abort()` says a newer one replaced it), its rank, every rank's name
     (by rank) and how long a join may wait (cluster.init_timeout_s). Needs the process's store
-    (`comm.connect_store`) where the local launcher hosts epochs."""
+    (`store.connect_store`) where the local launcher hosts epochs."""
     _STATE.update(epoch=epoch, join=join, attempt=attempt, rank=rank, names=list(names or []),
                   timeout_s=timeout_s)
     try:
-        _STATE["elastic"] = bool(comm.store().check([epoch_key(attempt)]))
+        _STATE["elastic"] = bool(store.store().check([epoch_key(attempt)]))
     except Exception:  # no store yet, or a foreign one: nobody announces epochs
         _STATE["elastic"] = False
     if signal.getsignal(signal.SIGUSR1) is not _on_wakeup:
@@ -148,14 +148,14 @@ def _parse(value: bytes) -> tuple[int, bool]:
 
 def announced() -> int:
     """The latest epoch the launcher announced."""
-    return _parse(comm.store().get(epoch_key(_STATE["attempt"])))[0]
+    return _parse(store.store().get(epoch_key(_STATE["attempt"])))[0]
 
 
 def why(epoch: int) -> tuple[str, Optional[float]]:
     """(the ranks started again, comma-separated; when their deaths were seen) for epoch
     `epoch`."""
     try:
-        name, at = comm.store().get(event_key(_STATE["attempt"], epoch)).decode().split()
+        name, at = store.store().get(event_key(_STATE["attempt"], epoch)).decode().split()
         return name, float(at)
     except Exception:  # an older or foreign store: the epoch still works without it
         return "?", None
@@ -218,14 +218,14 @@ def _gather(epoch: int, deadline: float) -> bool:
     False: a newer epoch was announced first and this one is abandoned (by everyone: the
     decision is one compare-and-set in the store, so no rank joins an epoch others left).
     Raises when ranks are still missing at `deadline`."""
-    s, attempt, rank = comm.store(), _STATE["attempt"], _STATE["rank"]
+    s, attempt, rank = store.store(), _STATE["attempt"], _STATE["rank"]
     world = len(_STATE["names"])
     state = _gather_key(attempt, epoch, "state")
     s.set(_gather_key(attempt, epoch, rank), "1")
     if s.add(_gather_key(attempt, epoch, "count"), 1) >= world:
         s.compare_set(state, "", "go")  # the last to arrive (unless abandoned first)
     while True:
-        if comm.wait_for(s, [state], POLL_S):
+        if store.wait_for(s, [state], POLL_S):
             return s.get(state) == b"go"
         newer = announced() > epoch
         if newer or time.monotonic() >= deadline:
@@ -248,7 +248,7 @@ def finish() -> bool:
         return True
     cur = str(current())
     done = f"{cur} {FINISHED}"
-    if comm.store().compare_set(epoch_key(_STATE["attempt"]), cur, done).decode() == done:
+    if store.store().compare_set(epoch_key(_STATE["attempt"]), cur, done).decode() == done:
         return True
     _CHANGE.set()
     return False

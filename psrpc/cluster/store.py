@@ -1,0 +1,163 @@
+"""The rendezvous store every rank of a run reaches (a c10d TCPStore): hosted by the local
+launcher or torchrun's agent (else by rank 0), where init_rpc forms each group and where the
+local launcher announces membership epochs. One client per process and address, kept across
+epochs. init_rpc's waits on it go through `_AbortableStore`, which gives up as soon as the group
+it forms will never form (psrpc/cluster/membership.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from psrpc.errors import PsrpcError
+
+WAIT_SLICE_S = 0.1  # a wait of init_rpc asks `abort` this often (the store wakes it at once)
+# An elastic group's members have all arrived when init_rpc starts (membership._gather): what
+# it waits for then besides the store (gloo connecting to each member, its collectives, torch's
+# all-gather over RPC) takes milliseconds, unless a member died meanwhile. Those waits cannot be
+# abandoned like the store's: they end after this long (at most a quarter of init_timeout_s, so
+# that the ranks waiting at the next epoch see them come).
+FORM_TIMEOUT_S = 10.0
+
+
+class GroupAbandoned(PsrpcError):
+    """init_rpc gave up: the group it was forming will never form (a newer epoch replaced it)."""
+
+
+class _AbortableStore(dist.Store):
+    """The store init_rpc forms its group through, with its blocking waits done here, in
+    Python: every wait polls the store and gives up as soon as `abort()` says the group will
+    never form. Otherwise a member that dies while the group forms (after it announced itself,
+    before it connected) keeps the others in init_rpc until the store's timeout (its gloo group
+    and TensorPipe agent wait for that member's keys, in C++, with no way out), although a new
+    membership epoch was announced at once. Everything else is the wrapped store's.
+    (A Python Store must outlive every C++ user of it: each one made is kept, see _MADE.)"""
+
+    def __init__(self, inner, abort=None, limit_s: float = 0.0):
+        super().__init__()
+        self.inner, self.abort, self.limit_s = inner, abort, limit_s
+        _MADE.append(self)
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        self.wait([key])
+        return self.inner.get(key)
+
+    def multi_get(self, keys):
+        self.wait(keys)
+        return self.inner.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        self.inner.multi_set(keys, values)
+
+    def add(self, key, value):
+        return self.inner.add(key, value)
+
+    def append(self, key, value):
+        self.inner.append(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def clone(self):
+        return _AbortableStore(self.inner.clone(), self.abort, self.limit_s)
+
+    def wait(self, keys, timeout=None):
+        keys = list(keys)
+        limit = self.limit_s  # init_timeout_s, whatever the caller asks: this wait gives up
+        # at once when the group will never form; the others are bounded by FORM_TIMEOUT_S
+        deadline = time.monotonic() + limit
+        while not wait_for(self.inner, keys, WAIT_SLICE_S):
+            if self.abort is not None and self.abort():
+                raise GroupAbandoned("a newer membership epoch was announced while this group "
+                                     "was forming")
+            if limit > 0 and time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: "
+                                          f"{keys}")
+
+
+def wait_for(store, keys: list[str], timeout_s: float) -> bool:
+    """Whether every key of `keys` is set within `timeout_s` (the store wakes the wait as soon
+    as they are; its timeout is not an error here)."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except dist.DistStoreError:  # the timeout (a lost store is another error: it propagates)
+        pass
+    return bool(store.check(keys))  # and never on a wait's word alone
+
+
+_MADE: list = []
+
+
+_STORES: dict = {}  # (host, port) -> this process's client (or server), kept across epochs
+
+
+def _process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
+                   agent_store: bool):
+    """The rendezvous store, made once per process and address: torchrun's agent or the local
+    launcher hosts it (agent_store), else rank 0 does, on the address `host` resolves to."""
+    key = (host, port)
+    if key not in _STORES:
+        if agent_store or rank != 0:
+            _STORES[key] = dist.TCPStore(host, port, world_size, False, timeout)
+        else:
+            listener = _bind(host, port)
+            _STORES[key] = dist.TCPStore(host, port, world_size, True, timeout,
+                                         master_listen_fd=listener.detach())
+        _STORES["current"] = _STORES[key]
+    return _STORES[key]
+
+
+def host_store(host: str, port: int, timeout_s: float):
+    """The local launcher's store (the ranks are its clients): it outlives every rank, so a
+    rank started again finds it, and the launcher announces membership epochs in it."""
+    listener = _bind(host, port)
+    return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def store() -> Any:
+    """This process's store (after `init` or `connect_store`)."""
+    return _STORES["current"]
+
+
+def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
+                  agent_store: bool = False) -> Any:
+    """This process's rendezvous store, before it joins a group (`init` uses the same one):
+    where the local launcher announces membership epochs."""
+    return _process_store(addr, port, rank, world_size, timedelta(seconds=timeout_s),
+                          agent_store)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to the address `host` resolves to (127.0.0.1 for the local launcher):
+    where every rank connects, and nowhere else."""
+    sock = None
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise PsrpcError(f"MASTER_ADDR={host!r} MASTER_PORT={port}: the rendezvous store cannot "
+                         f"listen there ({e.strerror or e}); MASTER_ADDR must be an address of "
+                         "this machine that the other ranks reach") from None
+    return sock
