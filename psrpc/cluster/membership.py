@@ -70,7 +70,7 @@ def _on_wakeup(signum, frame) -> None:
 
 def install_wakeup() -> None:
     """SIGUSR1 sets the change flag. The first thing a rank does (the forkserver it comes from
-    ignores SIGUSR1 until then: psrpc/forkserver_preload.py); the store says which epoch."""
+    ignores SIGUSR1 until then: psrpc/cluster/forkserver_preload.py); the store says which epoch."""
     signal.signal(signal.SIGUSR1, _on_wakeup)
 
 
