@@ -61,3 +61,10 @@ def drop_shards() -> None:
     for shard in comm.registered().values():
         shard.close()
     comm.registered().clear()
+
+
+def reset() -> None:
+    """Called by the chief when its start-up failed half-way (a rank died meanwhile): forget the
+    shards and segments that start made, before it makes them again."""
+    drop_shards()
+    remove_segments()

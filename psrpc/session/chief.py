@@ -33,6 +33,7 @@ from psrpc.session.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInf
 from psrpc.session.saver import build_saver
 from psrpc.worker.data_parallel import Worker
 from psrpc.worker.plan import Plan
+from psrpc.worker.replica import await_change
 
 log = logging.getLogger("psrpc")
 
@@ -91,12 +92,23 @@ class Chief:
 
     def initialise(self):
         """Create the shards (fresh or restored) and hand the plan to the workers."""
-        try:
-            self.plan, model, dataset = bootstrap(self.cfg, self.topo, self.replica_cls.build_model)
-        except Exception as e:
-            _plan_future(membership.current()).set_exception(
-                PsrpcError(f"the chief failed to initialise: {e}"))
-            raise
+        while True:
+            try:
+                self.plan, model, dataset = bootstrap(self.cfg, self.topo,
+                                                      self.replica_cls.build_model)
+                break
+            except Exception as e:
+                try:  # a rank died while the shards were made: a membership change, not fatal
+                    await_change(e)
+                except Exception:
+                    _plan_future(membership.current()).set_exception(
+                        PsrpcError(f"the chief failed to initialise: {e}"))
+                    raise
+            log.warning("a rank was lost while the chief initialised; initialising again in "
+                        "the new membership epoch")
+            membership.rejoin()
+            # what the failed start made on the PS (shards, shared-memory segments) goes first
+            comm.wait_all([comm.call(n, service.reset) for n in self.topo.ps_names])
         # the epoch the chief joined: not always the one it was started for
         _plan_future(membership.current()).set_result(self.plan)
         return model, dataset
