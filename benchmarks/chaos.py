@@ -148,12 +148,23 @@ class Run:
 
 # -- the faults --------------------------------------------------------------------------------
 # Each takes the run, the schedule's Random and its topology; returns what it did (for the
-# report) and whether the run can still finish all its steps.
+# report) and whether the run can still finish all its steps (True), cannot (False), or may
+# either finish or end with a line naming the cause (None).
 
 def _at_step(run: Run, rnd: random.Random) -> int:
     k = rnd.randint(15, run.steps - 40)
     run.wait_for(lambda: run.step() >= k, 60)
     return run.step()
+
+
+def _recoverable(run: Run, victims) -> bool:
+    """Whether the run can still finish after `victims` die: a PS's shards roll back to the
+    last committed checkpoint, so a PS lost before the first commit ends the run (with a line
+    saying so, which is right); workers rejoin, and the chief's group restarts from a
+    checkpoint or from scratch."""
+    if not any(str(v).startswith("ps") for v in victims):
+        return True
+    return any((f / checkpoint.MANIFEST).exists() for _, f in checkpoint.steps_on_disk(run.ck))
 
 
 def _workers(P: int, W: int, chief: bool = False) -> list[str]:
@@ -174,14 +185,16 @@ def kill_chief(run, rnd, P, W):
 def kill_ps(run, rnd, P, W):
     victim = f"ps{rnd.randrange(P)}"
     at = _at_step(run, rnd)
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} at step {at}", True
+    can = _recoverable(run, [victim]) or None
+    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} at step {at}", can
 
 
 def kill_two(run, rnd, P, W):
     pool = [f"ps{k}" for k in range(P)] + _workers(P, W, chief=True)
     victims = rnd.sample(pool, 2)
     at = _at_step(run, rnd)
-    return f"SIGKILL {run.signal(victims, signal.SIGKILL)} together at step {at}", True
+    can = _recoverable(run, victims) or None
+    return f"SIGKILL {run.signal(victims, signal.SIGKILL)} together at step {at}", can
 
 
 def kill_rejoining(run, rnd, P, W):
@@ -217,9 +230,10 @@ def kill_in_checkpoint(run, rnd, P, W):
         return False
 
     caught = run.wait_for(writing, 20, 0.001)
+    can = _recoverable(run, [victim]) or None
     run.signal([victim], signal.SIGKILL)
     return (f"SIGKILL {victim} at step {run.step()} "
-            f"({'while a checkpoint was being written' if caught else 'no write caught'})"), True
+            f"({'while a checkpoint was being written' if caught else 'no write caught'})"), can
 
 
 def kill_at_startup(run, rnd, P, W):
@@ -227,8 +241,9 @@ def kill_at_startup(run, rnd, P, W):
     victim = rnd.choice(pool)
     run.wait_for(lambda: victim in run.ranks(), 60, 0.005)
     time.sleep(rnd.uniform(0, 1.5))  # somewhere in its start-up (imports, RPC init, the plan)
+    can = _recoverable(run, [victim]) or None
     hit = run.signal([victim], signal.SIGKILL)
-    return f"SIGKILL {hit} {run.step()} steps in, during start-up", True
+    return f"SIGKILL {hit} {run.step()} steps in, during start-up", can
 
 
 def kill_in_eval(run, rnd, P, W):
@@ -433,12 +448,18 @@ def _plot(plt, rows):
 
 
 def campaign(schedules: list[dict], steps: int, bound_s: float,
-             log: Callable[[str], None] = print) -> list[dict]:
+             log: Callable[[str], None] = print, keep: Optional[Path] = None) -> list[dict]:
+    """Run the schedules; a schedule that breaks an invariant keeps its logs and stderr under
+    `keep`/s<index> (for the replay's diagnosis)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="psrpc-chaos-") as tmp:
         for s in schedules:
             row = run_schedule(s, Path(tmp), steps, bound_s)
             rows.append(row)
+            if keep is not None and not row["ok"]:
+                folder = Path(tmp) / f"s{s['index']:03d}"
+                shutil.copytree(folder, keep / folder.name, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("*.pt", "tensorboard"))
             log(f"[{s['index']:3d}] {s['mode']:13s} P={s['num_ps']} W={s['num_workers']} "
                 f"{s['fault']:24s} {row['outcome']:8s} {row['wall_s']:6.1f} s "
                 f"{'ok' if row['ok'] else 'VIOLATION: ' + row['problems']}  ({row['did']})")
@@ -451,7 +472,7 @@ def main(argv: list[str]) -> None:
     indices = list(opts.only) if opts.only else list(range(opts.schedules))
     plan = [schedule(opts.seed, i) for i in indices]
     t0 = time.monotonic()
-    rows = campaign(plan, opts.steps, opts.bound_s)
+    rows = campaign(plan, opts.steps, opts.bound_s, keep=Path(opts.out) / "violations")
     total = time.monotonic() - t0
     per_fault = summarize(rows)
     bad = [r for r in rows if not r["ok"]]
