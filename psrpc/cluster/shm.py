@@ -64,6 +64,7 @@ SLOT = "slot"  # what a push carries instead of a gradient: "read my slot"
 VOID = "void"
 SEQ_ELEMS = 16  # after a master copy, 64 bytes: its write sequence (one int64), then padding
 NONCE_BYTES = 16
+_TRACKED: set[str] = set()  # the names this process registered with the resource tracker
 
 
 class SegmentProblem(PsrpcError):
@@ -112,6 +113,7 @@ def _track(name: str) -> None:
     otherwise)."""
     try:
         resource_tracker.register("/" + name, "shared_memory")
+        _TRACKED.add(name)
     except Exception:
         pass
 
@@ -212,22 +214,27 @@ def writing(seq: Optional[torch.Tensor]):
         seq.add_(1)
 
 
-def unlink(name: str) -> bool:
-    """Delete one segment (processes that map it keep their mapping); whether it was there."""
+def unlink(name: str, untrack: bool = False) -> bool:
+    """Delete one segment (processes that map it keep their mapping); whether it was there.
+    It leaves the resource tracker's list if this process put it there, or with `untrack`
+    (the launcher: its ranks share its tracker); never otherwise (another run's tracker)."""
     try:
         os.unlink(SHM_DIR / name)
     except FileNotFoundError:
         return False
-    try:
-        resource_tracker.unregister("/" + name, "shared_memory")
-    except Exception:
-        pass
+    if name in _TRACKED or untrack:
+        _TRACKED.discard(name)
+        try:
+            resource_tracker.unregister("/" + name, "shared_memory")
+        except Exception:
+            pass
     return True
 
 
-def remove(run: str) -> int:
+def remove(run: str, untrack: bool = False) -> int:
     """Delete every segment of `run` (and its lock files); returns how many there were."""
-    return sum(unlink(os.path.basename(p)) for p in glob.glob(str(SHM_DIR / f"psrpc-{run}-*")))
+    return sum(unlink(os.path.basename(p), untrack)
+               for p in glob.glob(str(SHM_DIR / f"psrpc-{run}-*")))
 
 
 _HELD: dict[str, int] = {}  # lock file name -> the descriptor that holds its lock
