@@ -58,6 +58,8 @@ def child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_cl
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
     try:
         run_rank(cfg, topo, Path(out_dir), replica_cls)
+    except membership.TrainingOver as e:  # the run is over: nothing failed
+        log.warning("%s; leaving", e)
     except BaseException as e:  # report once, then exit non-zero
         if isinstance(e, PsrpcError):  # bad input or a lost peer: the message says it all
             logged = line = str(e)

@@ -260,6 +260,21 @@ def open_attempt(store, attempt: int) -> None:
     store.set(epoch_key(attempt), "0")
 
 
+class TrainingOver(PsrpcError):
+    """An RPC of this rank failed after the chief had ended training (the store says so): the
+    run is over, this rank leaves without an error."""
+
+
+def ended() -> bool:
+    """In a rank: whether the chief has ended training (where the launcher keeps epochs)."""
+    if not _STATE["elastic"]:
+        return False
+    try:
+        return training_over(store.store(), _STATE["attempt"])
+    except Exception:  # the store is gone with the launcher: the rank leaves anyway
+        return False
+
+
 def training_over(store, attempt: int) -> bool:
     return _parse(store.get(epoch_key(attempt)))[1]
 
