@@ -448,15 +448,16 @@ def _plot(plt, rows):
 
 
 def campaign(schedules: list[dict], steps: int, bound_s: float,
-             log: Callable[[str], None] = print, keep: Optional[Path] = None) -> list[dict]:
-    """Run the schedules; a schedule that breaks an invariant keeps its logs and stderr under
-    `keep`/s<index> (for the replay's diagnosis)."""
+             log: Callable[[str], None] = print, keep: Optional[Path] = None,
+             keep_all: bool = False) -> list[dict]:
+    """Run the schedules; a schedule that breaks an invariant (every schedule with
+    `keep_all`) keeps its logs and stderr under `keep`/s<index> (for the replay's diagnosis)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="psrpc-chaos-") as tmp:
         for s in schedules:
             row = run_schedule(s, Path(tmp), steps, bound_s)
             rows.append(row)
-            if keep is not None and not row["ok"]:
+            if keep is not None and (keep_all or not row["ok"]):
                 folder = Path(tmp) / f"s{s['index']:03d}"
                 shutil.copytree(folder, keep / folder.name, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("*.pt", "tensorboard"))
@@ -472,7 +473,8 @@ def main(argv: list[str]) -> None:
     indices = list(opts.only) if opts.only else list(range(opts.schedules))
     plan = [schedule(opts.seed, i) for i in indices]
     t0 = time.monotonic()
-    rows = campaign(plan, opts.steps, opts.bound_s, keep=Path(opts.out) / "violations")
+    rows = campaign(plan, opts.steps, opts.bound_s, keep=Path(opts.out) / "violations",
+                    keep_all=opts.keep_all)
     total = time.monotonic() - t0
     per_fault = summarize(rows)
     bad = [r for r in rows if not r["ok"]]

@@ -13,14 +13,8 @@ from benchmarks import chaos
 pytestmark = pytest.mark.timeout(400)
 
 
-KNOWN = pytest.mark.xfail(strict=False, reason=(
-    "open: now and then, after a worker is killed again while it rejoins (sync with a backup "
-    "worker, 2 PS), the chief's final `settle` of a shard times out (update.timeout_s + 5 s) "
-    "and the run ends with that error; replay: python -m benchmarks.chaos only=[4]"))
-
-
-@pytest.mark.parametrize("fault", ["kill_two", pytest.param("kill_rejoining", marks=KNOWN),
-                                   "kill_in_eval", "truncated_checkpoint", "kill_launcher"])
+@pytest.mark.parametrize("fault", ["kill_two", "kill_rejoining", "kill_in_eval",
+                                    "truncated_checkpoint", "kill_launcher"])
 def test_a_seeded_schedule_keeps_every_invariant(fault):
     index = list(chaos.FAULTS).index(fault)  # the first len(FAULTS) schedules: one of each
     s = chaos.schedule(seed=0, index=index)

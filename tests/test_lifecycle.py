@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,19 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _wait_for(path: Path, timeout: float) -> None:
+def _wait_for(path: Path, timeout: float, out: Optional[Path] = None) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
+        assert time.monotonic() < deadline, f"{path} never appeared{_tails(out)}"
         time.sleep(0.2)
+
+
+def _tails(out: Optional[Path]) -> str:
+    """The end of each rank's log under out/logs (for a failure's diagnosis)."""
+    if out is None or not (out / "logs").is_dir():
+        return ""
+    return "".join(f"\n--- {f.name}\n" + "\n".join(f.read_text().splitlines()[-15:])
+                   for f in sorted((out / "logs").glob("*.log")))
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -111,20 +120,21 @@ def test_sigterm_with_a_lost_worker_still_commits_the_final_checkpoint_at_once(t
         [sys.executable, "-m", "psrpc", "update=async", "update.timeout_s=60",
          "cluster.max_worker_restarts=0", "train.steps=1000000", "fault.crash_role=worker", "fault.crash_index=1",
          "fault.crash_at_step=3", f"checkpoint.dir={ck}", "checkpoint.every_steps=50",
-         f"out_dir={out}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         f"out_dir={out}"],  # output to a file: a pipe nobody reads could fill and block it
+        cwd=tmp_path, stdout=(tmp_path / "output.txt").open("w"), stderr=subprocess.STDOUT)
     try:
-        _wait_for(ck / "step-50" / "manifest.json", 120)
+        _wait_for(ck / "step-50" / "manifest.json", 120, out)
         family = [proc.pid] + _descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         while _alive(family) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
         assert not _alive(family), f"still running 10 s after SIGTERM: {_alive(family)}"
-        output = proc.communicate(timeout=10)[0]
+        proc.wait(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    output = (tmp_path / "output.txt").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] and summary["workers_lost"] == 1, output[-2000:]
     assert (ck / f"step-{summary['steps']}" / "manifest.json").exists()

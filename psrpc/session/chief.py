@@ -24,7 +24,7 @@ from psrpc.cluster import comm, membership
 from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import Reply
 from psrpc.config import Config
-from psrpc.errors import PsrpcError
+from psrpc.errors import PsrpcError, first_line
 from psrpc.ps import service
 from psrpc.session import outputs
 from psrpc.session.bootstrap import bootstrap, create_shards, create_table_shards, initial_state
@@ -298,9 +298,7 @@ class Chief:
         or frozen), so it is taken before waiting for the other workers' reports: a lost worker
         would hold it back by update.timeout_s, longer than a launcher's grace after a signal."""
         # Every shard at its last step first (tickets may still be in flight to some)
-        timeout = self.cfg.update.timeout_s + 5  # a ticket that never comes is skipped by then
-        steps = comm.wait_all([comm.invoke(r, "settle", timeout_s=timeout)
-                               for r in self.plan.every_shard])
+        steps = self._settle()
         if len(set(steps)) > 1:
             log.warning("shards ended at different steps: %s", steps)
         if self.saver is not None:
@@ -314,6 +312,24 @@ class Chief:
                     + (f"step {newest}, the newest committed" if newest is not None
                        else "no committed checkpoint")
                     + f"; model.pt and summary.json are in {self.out_dir}")
+
+    def _settle(self) -> list[int]:
+        """Every shard's last step, once it is there; an error naming the shards that are not
+        there within update.timeout_s + 5 s (every worker has stopped pushing by then)."""
+        shards = self.plan.every_shard
+        timeout = self.cfg.update.timeout_s + 5  # a ticket that never comes is skipped by then
+        futures = [comm.invoke(r, "settle", timeout_s=timeout) for r in shards]
+        steps, behind = [], []
+        for r, fut in zip(shards, futures):
+            try:
+                steps.append(fut.wait())
+            except Exception as e:
+                steps.append(None)
+                behind.append(f"{comm.owner_name(r)} ({first_line(e)})")
+        if behind:
+            raise PsrpcError(f"training ended but {', '.join(behind)} did not reach its last "
+                             f"step within {timeout:g} s (update.timeout_s + 5)")
+        return steps
 
     def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
         """model.pt and the summary, after the final checkpoint; the final evaluation is

@@ -172,7 +172,10 @@ class Worker(Replica):
         done again in the new epoch."""
         self.finished = False
         replies: Optional[list[Reply]] = None  # none yet: pull first
-        while replies is None or not replies[0].finished:
+        # Until every shard is at its last step: with backup workers (or async) one shard can
+        # finish a round before another, and a worker that stopped at the first one's end
+        # could leave the others a step short with nobody pushing to them.
+        while replies is None or not all(r.finished for r in replies):
             if replies is None or membership.changing():
                 try:  # (the first pull too: a rank can be started again before it)
                     if membership.changing():
@@ -183,6 +186,7 @@ class Worker(Replica):
                 except Exception as e:
                     await_change(e)  # returns once the change is announced: rejoin
                 continue
+            ended = replies[0].finished  # the chief's hooks saw the last step already
             t0 = time.perf_counter()
             step = self.data_step(versions[0])
             try:
@@ -206,7 +210,7 @@ class Worker(Replica):
             self.stats.compute_s += t1 - t0
             self.stats.push_s += t2 - t1
             self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
-            if after_step(replies[0], t2 - t1, loss):
+            if not ended and after_step(replies[0], t2 - t1, loss):
                 break
 
 
