@@ -41,11 +41,13 @@ def test_metric(model, cfg: Config, data, batch: int = 1000) -> float:
     return next(iter(value.values())) if isinstance(value, dict) else value
 
 
-def _setup(cfg: Config, world: int, rank: int):
-    """What every peer process builds, as a psrpc worker would: data, model, loss, batches."""
+def _setup(cfg: Config, world: int, rank: int, own_tables: bool = True):
+    """What every peer process builds, as a psrpc worker would: data, model, loss, batches.
+    The model holds its embedding tables whole, or with `own_tables=False` no rows at all: for a
+    peer that puts tables of its own in their place (TorchRec's)."""
     torch.manual_seed(cfg.train.seed)
     data = factories.load_data(cfg)
-    model = factories.build_model(cfg, data, remote_tables=False)  # a peer holds its tables
+    model = factories.build_model(cfg, data, remote_tables=not own_tables)
     loss_fn = factories.build_loss(cfg, data)
     B = cfg.train.batch_size
     batches = StepBatches(data.train, GlobalBatches(len(data.train), world * B, cfg.train.seed),

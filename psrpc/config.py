@@ -156,6 +156,11 @@ class SparseConfig:
     """sgd / adagrad: L2 penalty on the touched rows."""
     betas: list[float] = MISSING
     """adam: coefficients of the moments."""
+    cache_rows: int = MISSING
+    """Hot-row cache: rows of each table a worker keeps (0: no cache)."""
+    cache_staleness: int = MISSING
+    """Hot-row cache: the most steps a cached row's value, or a gradient held for it, may lag
+    the PS (0: no cache, every step pulls and pushes every row it touches)."""
 
 
 @dataclass

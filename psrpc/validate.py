@@ -136,6 +136,13 @@ def check_values(cfg: Config) -> None:
                f"must be a step in 0..{t.steps - 1} (train.steps={t.steps}), or it never happens")
     _validate_optim(cfg.optim)
     _validate_sparse(cfg.sparse)
+    # A worker's row cache hands its held gradients over before each checkpoint step, which it
+    # can only know when checkpoints come by steps.
+    require(not (cfg.sparse.cache_rows and cfg.sparse.cache_staleness and cfg.checkpoint.dir
+                 and cfg.checkpoint.every_s), "checkpoint.every_s", cfg.checkpoint.every_s,
+            "must be 0 with the hot-row cache (sparse.cache_rows and sparse.cache_staleness "
+            "> 0): its held gradients go to the PS before each checkpoint step, known only "
+            "with checkpoint.every_steps")
     _validate_hooks(cfg.hooks)
     _validate_factories(cfg)
 
@@ -179,6 +186,10 @@ def _validate_sparse(sp) -> None:
             "row): set 0, or use sgd or adagrad")
     require(len(sp.betas) == 2 and all(_finite(b) and b < 1 for b in sp.betas), "sparse.betas",
            list(sp.betas), "must be two numbers in [0, 1)")
+    for key in ("cache_rows", "cache_staleness"):
+        value = getattr(sp, key)
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                f"sparse.{key}", value, "must be an integer ≥ 0 (0: no hot-row cache)")
 
 
 _HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}

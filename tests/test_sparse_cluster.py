@@ -83,6 +83,34 @@ def test_async_with_tables_runs_to_the_end(tmp_path):
     assert all(torch.isfinite(t).all() for t in tables.values())
 
 
+def test_row_cache_with_staleness_0_changes_no_bit(tmp_path, reference):
+    run = _run(tmp_path, ["cluster.num_workers=1", "train.batch_size=64",
+                          "sparse.cache_rows=100", "sparse.cache_staleness=0"])
+    _assert_equal(run, reference)
+    assert run[0]["cache_hit_rate"] is None and reference[0]["cache_hit_rate"] is None
+    assert run[0]["sparse_bytes_per_step"] == reference[0]["sparse_bytes_per_step"] > 0
+    # one message per step to the one server: the next batch's rows come with the push's reply
+    # (a pull only before the first step)
+    assert run[0]["table_rpcs_per_step"] == reference[0]["table_rpcs_per_step"] == 1 + 1 / 20
+
+
+def test_row_cache_serves_hot_rows_and_halves_the_table_traffic(tmp_path):
+    """Sync, W=2, 2 PS: with a bound of 8 steps the workers' caches serve most lookups of the
+    skewed ids, the table bytes per step fall by half or more, every held gradient reaches the
+    PS by the end (every shard at the last step), and the model still learns as the exact one."""
+    mode = ["cluster.num_workers=2", "cluster.num_ps=2", "train.batch_size=32",
+            "train.steps=40"]
+    exact = _run(tmp_path / "exact", mode)
+    cached = _run(tmp_path / "cached", mode + ["sparse.cache_rows=400",
+                                               "sparse.cache_staleness=8"])
+    summary = cached[0]
+    assert summary["steps"] == 40 and all(s["version"] == 40 for s in summary["shards"])
+    assert summary["cache_hit_rate"] > 0.5
+    assert summary["sparse_bytes_per_step"] <= 0.5 * exact[0]["sparse_bytes_per_step"]
+    assert all(torch.isfinite(t).all() for t in cached[2].values())
+    assert abs(summary["test_auc"] - exact[0]["test_auc"]) < 0.05
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (MOVIELENS / "ml-100k.inter").is_file(), reason="needs ../shared/data")
 def test_movielens_dlrm_beats_logistic_regression_on_the_same_features(tmp_path):

@@ -167,3 +167,33 @@ def test_catch_up_counts_the_passed_steps_in_every_tables_lazy_adam():
     assert [o.step_count for o in shard.row_optim.values()] == [2, 2]
     assert all(torch.equal(before[0][n], w) for n, w in shard.weights.items())
     shard.close()
+
+
+def test_push_with_rows_ahead_replies_with_their_values_after_the_round():
+    """The next batch's rows ride on the push: the reply carries them as a pull would read them
+    once the round has closed (the updated values), for each worker its own rows."""
+    shard = table_shard(sync())
+    g = {"user": (rows(1), torch.ones(1, 4))}
+    f0 = shard.push_pull_rows(0, 0, g, 1.0, 1, None, {"user": rows(1, 2)})
+    assert not f0.done()  # the round waits for worker1
+    f1 = shard.push_pull_rows(1, 0, g, 1.0, 1, None, {"item": rows(0)})
+    r0, r1 = f0.wait(), f1.wait()
+    assert r0.version == r1.version == 1
+    after = shard.pull_rows({"user": rows(1, 2), "item": rows(0)})
+    assert torch.equal(r0.rows["user"], after["user"]) and list(r0.rows) == ["user"]
+    assert torch.equal(r1.rows["item"], after["item"]) and list(r1.rows) == ["item"]
+
+
+@pytest.mark.parametrize("ahead,match", [
+    ({"nope": rows(1)}, "unknown table"),
+    ({"user": rows(10)}, r"rows \[10, 10\]"),
+    ({"user": torch.tensor([1.0])}, "1-D int64"),
+    ([rows(1)], "expected {table: rows}"),
+])
+def test_malformed_rows_ahead_are_refused_and_nothing_changes(ahead, match):
+    shard = table_shard(sync(), workers=1)
+    before = _state(shard)
+    with pytest.raises(PushRejected, match=match):
+        shard.push_pull_rows(0, 0, {"user": (rows(1), torch.ones(1, 4))}, 1.0, 1, None,
+                             ahead).wait()
+    _same(before, _state(shard))

@@ -29,6 +29,8 @@ class Reply:
     samples: int  # samples whose gradients this shard has applied so far
     stale_dropped: int  # stale gradients dropped so far
     skipped: bool = False  # this push's gradient was non-finite: not applied, its batch skipped
+    rows: Optional[dict] = None  # a table shard's push_pull_rows: {table: values of the rows
+    # asked for, at `version`}; None when not asked, or when the shard had moved on
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ the result must not depend on how rows are spread over servers).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from psrpc.checkpoint import write_atomic
+from psrpc.cluster import comm
 from psrpc.cluster.wire import Reply
 from psrpc.errors import PsrpcError, PushRejected
 from psrpc.ps.schedule import lr_factor
@@ -102,6 +103,32 @@ class TableShard(Shard):
                 self._check_rows(name, rows, "pulled")
                 out[name] = self.weights[name].index_select(0, rows)
         return out
+
+    @comm.async_execution
+    def push_pull_rows(self, worker: int, version: int, payload, loss: float, samples: int,
+                       ticket: Optional[int], ahead: dict):
+        """push_pull, whose Reply also carries the values of `ahead` ({table: local rows}: the
+        rows of the worker's next batch) as they are at the Reply's version: the next step's
+        pull rides on this step's push, one message per server per step instead of two."""
+        try:
+            if not isinstance(ahead, dict):
+                raise PushRejected(f"{self.name}: worker{worker} asked for rows ahead as "
+                                   f"{type(ahead).__name__}, expected {{table: rows}}")
+            for name, rows in ahead.items():
+                self._check_rows(name, rows, "asked for", worker)
+        except PushRejected as e:
+            return comm.failed(e)
+        return self.push_pull(worker, version, payload, loss, samples, ticket).then(
+            lambda f: self._with_rows(f.value(), ahead))
+
+    def _with_rows(self, reply: Reply, ahead: dict) -> Reply:
+        """The reply with the rows asked ahead, read at its version (none if the shard has
+        moved past it meanwhile: another round closed, with backup workers)."""
+        with self.lock:
+            if self.version != reply.version:
+                return reply
+            return replace(reply, rows={n: self.weights[n].index_select(0, r)
+                                        for n, r in ahead.items()})
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
         with self.lock:

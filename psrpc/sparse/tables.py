@@ -80,6 +80,7 @@ class EmbeddingTables(nn.Module):
         self.bags = nn.ModuleDict()
         self.remote = getattr(_MODE, "remote", False)
         self.client = None  # remote: the RowClient psrpc binds
+        self.fed = None  # remote: the features of the last forward
         self._leaves: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         if self.remote:
             return
@@ -110,6 +111,7 @@ class EmbeddingTables(nn.Module):
         if self.client is None:
             raise RuntimeError("EmbeddingTables built by psrpc for the parameter servers, used "
                                "without a RowClient bound")
+        self.fed = features  # what this forward was given (the worker compares it with its batch)
         bags = {}
         for spec in self.specs:
             flat, offsets = bag_inputs(features[spec.name])
@@ -129,6 +131,12 @@ class EmbeddingTables(nn.Module):
                                              mode=spec.pooling)
         return out
 
+    def rows_for(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{table: the unique rows a forward of `features` looks up}, without looking them up."""
+        return {spec.name: torch.unique(spec.rows(bag_inputs(features[spec.name])[0]).cpu(),
+                                        sorted=True)
+                for spec in self.specs}
+
     def take_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """After backward: {table: (unique global rows, their gradients on CPU)} of the last
         forward (rows no output used get zero gradients)."""
@@ -146,6 +154,7 @@ class EmbeddingTables(nn.Module):
             memo[id(self)] = clone
             nn.Module.__init__(clone)
             clone.specs, clone.remote, clone.client, clone._leaves = self.specs, False, None, []
+            clone.fed = None
             clone.bags = __import__("copy").deepcopy(self.bags, memo)
             return clone
         with remote_tables():

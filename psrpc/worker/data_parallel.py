@@ -27,6 +27,7 @@ from psrpc.config import Config
 from psrpc.factories import Data
 from psrpc.sparse.tables import find_tables
 from psrpc.worker import rng
+from psrpc.worker.cache import RowCache
 from psrpc.worker.client import ShardClient
 from psrpc.worker.flat import FlatModel
 from psrpc.worker.plan import Plan
@@ -48,11 +49,32 @@ class Worker(Replica):
         self.client = ShardClient(plan.shards[0], self.index)
         # Embedding tables live on the PS: the model's look their rows up there.
         self.tables = find_tables(self.model)
-        self.rows = (RowClient(plan.table_shards, plan.table_specs, plan.partition, self.index)
-                     if self.tables else None)
-        for t in self.tables:
-            t.bind(self.rows)
         self.table_versions: list[int] = []
+        self.rows = None
+        if self.tables:
+            self.rows = self._row_client(plan)
+            sp = cfg.sparse
+            if sp.cache_rows > 0 and sp.cache_staleness > 0:
+                self.rows = RowCache(self.rows, plan.table_specs, sp.cache_rows,
+                                     sp.cache_staleness, self._table_clock, self._flush_all,
+                                     self.stats)
+            for t in self.tables:
+                t.bind(self.rows)
+
+    def _row_client(self, plan: Plan) -> RowClient:
+        return RowClient(plan.table_shards, plan.table_specs, plan.partition, self.index,
+                         stats=self.stats)
+
+    def _table_clock(self) -> int:
+        """The global step this worker's tables are at (the newest table shard's version)."""
+        return max(self.table_versions, default=0)
+
+    def _flush_all(self, step: int) -> bool:
+        """Whether the push of `step` must carry every gradient the row cache holds: a
+        checkpoint is taken after it, or training ends within a round of every worker."""
+        every = self.cfg.checkpoint.every_steps if self.cfg.checkpoint.dir else 0
+        return bool(every and (step + 1) % every == 0) or \
+            step + self.topo.replicas >= self.cfg.train.steps
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """This replica's buffers (BatchNorm statistics: not parameters, so not on the PS)."""
@@ -76,6 +98,7 @@ class Worker(Replica):
             replies.append(reply)
         if self.rows is not None:
             tables = comm.wait_all(futures[dense:])
+            self.rows.receive(tables)
             self.table_versions = [r.version for r in tables]
             replies[0] = replace(replies[0], skipped=replies[0].skipped or any(
                 r.skipped for r in tables))
@@ -132,8 +155,23 @@ class Worker(Replica):
         if self.rows is not None:  # every table shard, after backward has reached the tables
             # (void, as the dense shards', when computed across an update of a master copy)
             futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
-                                            ticket, void=not self.flat.intact())
+                                            ticket, void=not self.flat.intact(),
+                                            ahead=self._rows_ahead(step, x))
         return value, futures
+
+    def _rows_ahead(self, step: int, x) -> Optional[dict]:
+        """Sync: {table: rows} of the next step's batch, for the table shards to send back with
+        this step's replies; None when the next batch is not known here (async takes whatever
+        data step comes next, and the last step has none) or the tables were not given the
+        batch's features as they are (a model that derives them: only its forward knows)."""
+        if self.cfg.update.name != "sync" or step + 1 >= self.cfg.train.steps \
+                or not all(t.fed is x for t in self.tables):
+            return None
+        nxt = self.batches.get(step + 1)[0]
+        rows = {}
+        for t in self.tables:
+            rows.update(t.rows_for(nxt))
+        return rows
 
     def table_gradients(self) -> dict:
         """{table: (unique global rows, row gradients)} of the last backward."""
@@ -149,8 +187,10 @@ class Worker(Replica):
         self.client = ShardClient(plan.shards[0], self.index)
         self.clock = plan.shards[0][0]
         if self.tables:
-            self.rows = RowClient(plan.table_shards, plan.table_specs, plan.partition,
-                                  self.index)
+            if isinstance(self.rows, RowCache):  # held gradients and cached rows are dropped
+                self.rows.bind(self._row_client(plan))
+            else:
+                self.rows = self._row_client(plan)
             for t in self.tables:
                 t.bind(self.rows)
         if plan.rolled_back_to is not None:

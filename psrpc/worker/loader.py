@@ -113,6 +113,7 @@ class StepBatches:
         self._loader: Optional[DataLoader] = None
         self._iter = None
         self._coming = 0  # the step the loader hands out next
+        self._last: Optional[tuple[int, Any]] = None  # the last batch handed out, by step
         self._window = 2 * num_workers  # steps it prepares ahead (prefetch_factor 2)
         batched = isinstance(dataset, TensorDataset) or callable(getattr(dataset, "batch", None))
         if num_workers > 0 and not batched:  # a batch at a time is already cheap
@@ -134,11 +135,17 @@ class StepBatches:
         return [(step, first + k, i) for k, i in enumerate(self._indices(step).tolist())]
 
     def get(self, step: int) -> Any:
+        """The batch of `step` (asked twice in a row, the same batch again: the worker reads
+        the next step's batch early for its table rows)."""
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
         if self._loader is None:
             batch = fetch(self.dataset, self._indices(step), self.seed, self._first(step))
         else:
             batch = self._from_loader(step)
-        return to_device(batch, self.device)
+        batch = to_device(batch, self.device)
+        self._last = (step, batch)
+        return batch
 
     def _from_loader(self, step: int) -> Any:
         # Behind, or far ahead of, what the loader is preparing: start it over at `step`.

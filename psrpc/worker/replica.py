@@ -30,6 +30,12 @@ class WorkerStats:
     accepted: int = 0
     push_s: float = 0.0  # time spent waiting for push_pull replies
     compute_s: float = 0.0
+    rows_pulled: int = 0  # embedding rows read from the table shards
+    rows_pushed: int = 0  # embedding rows whose gradients went to them
+    sparse_bytes: int = 0  # both, in bytes (an int64 id and the row's float32 values each)
+    cache_lookups: int = 0  # rows looked up in the hot-row cache (sparse.cache_rows)
+    cache_hits: int = 0  # of those, served from it
+    table_rpcs: int = 0  # messages to the table shards (pulls and pushes)
 
 
 def model_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -19,10 +19,13 @@ from psrpc.sparse.rows import Partition, TableSpec
 
 class RowClient:
     def __init__(self, shards: list, specs: list[TableSpec], partition: str, worker: int,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, stats=None):
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
+        self.stats = stats  # WorkerStats: rows and bytes on the wire
         self.specs = {s.name: s for s in specs}
         self.partitions = {s.name: Partition(s.num_rows, len(shards), partition) for s in specs}
+        self._asked: Optional[tuple] = None  # the rows asked ahead with the last push
+        self._ahead: Optional[tuple] = None  # ({table: rows}, {table: values}) they brought
 
     def _split(self, rows: dict[str, torch.Tensor]) -> list[dict[str, tuple]]:
         """Per server: {table: (positions in rows[table], local rows)}."""
@@ -34,12 +37,23 @@ class RowClient:
         return per
 
     def pull(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """{table: unique global rows} -> {table: their current values, (U, dim)}."""
+        """{table: unique global rows} -> {table: their current values, (U, dim)}: the values
+        the last push's replies brought when they are these rows, else asked for now."""
+        if self._ahead is not None:
+            want, values = self._ahead
+            if want.keys() == rows.keys() and all(torch.equal(want[n], r)
+                                                  for n, r in rows.items()):
+                self._ahead = None
+                return values
         per = self._split(rows)
         asked = [(k, comm.invoke(self.shards[k], "pull_rows",
                                  {n: local for n, (_, local) in parts.items()},
                                  timeout_s=self.timeout_s))
                  for k, parts in enumerate(per) if parts]
+        if torch.is_grad_enabled():  # training's traffic (an evaluation's lookups are apart)
+            self._count("pulled", rows.items())
+            if self.stats is not None:
+                self.stats.table_rpcs += len(asked)
         out = {n: torch.empty(r.numel(), self.specs[n].dim) for n, r in rows.items()}
         for k, fut in asked:
             try:
@@ -59,13 +73,55 @@ class RowClient:
 
     def push_async(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
                    versions: list[int], loss: float, samples: int,
-                   ticket: Optional[int] = None, void: bool = False) -> list:
+                   ticket: Optional[int] = None, void: bool = False,
+                   ahead: Optional[dict[str, torch.Tensor]] = None) -> list:
         """{table: (unique global rows, (U, dim) gradients)} to every server: Futures of the
         Replies, in server order. `void`: the gradients were computed across an update
-        (shm.VOID: each server discards them)."""
+        (shm.VOID: each server discards them). `ahead`: {table: unique global rows} of the next
+        batch, whose values the replies bring (`receive`), for the next `pull`."""
         per = self._split({n: r for n, (r, _) in grads.items()})
-        return [comm.invoke(self.shards[k], "push_pull", self.worker, versions[k],
-                            shm.VOID if void else
-                            {n: (local, grads[n][1][pos]) for n, (pos, local) in parts.items()},
-                            loss, samples, ticket, timeout_s=self.timeout_s)
-                for k, parts in enumerate(per)]
+        if not void:
+            self._count("pushed", ((n, r) for n, (r, _) in grads.items()))
+        if self.stats is not None:
+            self.stats.table_rpcs += len(per)
+        split = self._split(ahead) if ahead else None
+        self._asked, self._ahead = ((ahead, split) if split else None), None
+        futures = []
+        for k, parts in enumerate(per):
+            payload = (shm.VOID if void else
+                       {n: (local, grads[n][1][pos]) for n, (pos, local) in parts.items()})
+            args = (self.worker, versions[k], payload, loss, samples, ticket)
+            if split is None:
+                futures.append(comm.invoke(self.shards[k], "push_pull", *args,
+                                           timeout_s=self.timeout_s))
+            else:
+                asked = {n: local for n, (_, local) in split[k].items()}
+                futures.append(comm.invoke(self.shards[k], "push_pull_rows", *args, asked,
+                                           timeout_s=self.timeout_s))
+        return futures
+
+    def receive(self, replies: list) -> None:
+        """The push's Replies: the rows asked ahead, when every server brought them at one
+        version (with backup workers a server can have moved on: then the next pull asks)."""
+        asked, self._asked = self._asked, None
+        if asked is None or any(r.rows is None for r in replies) \
+                or len({r.version for r in replies}) != 1:
+            return
+        rows, split = asked
+        values = {n: torch.empty(r.numel(), self.specs[n].dim) for n, r in rows.items()}
+        for k, reply in enumerate(replies):
+            for name, (pos, _) in split[k].items():
+                values[name][pos] = reply.rows[name]
+        self._count("pulled", rows.items())
+        self._ahead = (rows, values)
+
+    def _count(self, what: str, rows) -> None:
+        """Rows pulled or pushed, and their bytes: an int64 id and dim float32 values each."""
+        if self.stats is None:
+            return
+        n = b = 0
+        for name, r in rows:
+            n += r.numel()
+            b += r.numel() * (8 + 4 * self.specs[name].dim)
+        setattr(self.stats, f"rows_{what}", getattr(self.stats, f"rows_{what}") + n)
+        self.stats.sparse_bytes += b

@@ -1,0 +1,126 @@
+"""The hot-row cache's bookkeeping (psrpc/worker/cache.py), in one process: a small table server
+stands for the table shards (values per row, an SGD step per push), so that every gradient and
+every value's age can be followed. The cache over the real shards is in test_sparse_cluster.py."""
+
+import random
+
+import pytest
+import torch
+
+from psrpc.sparse.rows import TableSpec
+from psrpc.worker.cache import RowCache
+from psrpc.worker.replica import WorkerStats
+
+SPECS = [TableSpec("big", 200, 4), TableSpec("small", 10, 3)]
+
+
+class Server:
+    """Table values, the step each row was last written at, every gradient received."""
+
+    def __init__(self):
+        self.weights = {s.name: torch.randn(s.num_rows, s.dim) for s in SPECS}
+        self.received = {s.name: torch.zeros(s.num_rows, s.dim) for s in SPECS}
+        self.pushes, self.voids, self.pulled = 0, 0, 0
+
+    def pull(self, rows):
+        self.pulled += sum(r.numel() for r in rows.values())
+        return {n: self.weights[n][r].clone() for n, r in rows.items()}
+
+    def push_async(self, grads, versions, loss, samples, ticket=None, void=False, ahead=None):
+        self.pushes += 1
+        if void:
+            self.voids += 1
+            return []
+        for name, (rows, g) in grads.items():
+            assert rows.numel() == 0 or bool((rows[1:] > rows[:-1]).all()), "unique, ascending"
+            self.received[name][rows] += g
+            self.weights[name][rows] -= 0.1 * g
+        return []
+
+    def pull_versions(self):
+        return []
+
+    def receive(self, replies):
+        pass
+
+
+def _run(staleness, capacity, steps=60, void_at=(), seed=0):
+    rnd = random.Random(seed)
+    server, stats, clock = Server(), WorkerStats(), [0]
+    cache = RowCache(server, SPECS, capacity, staleness, clock=lambda: clock[0],
+                     flush_all=lambda step: step == steps - 1, stats=stats)
+    given = {s.name: torch.zeros(s.num_rows, s.dim) for s in SPECS}
+    served, history = [], []
+    for step in range(steps):
+        clock[0] = step
+        history.append({n: w.clone() for n, w in server.weights.items()})
+        # skewed lookups: a few hot rows most of the time
+        rows = {s.name: torch.tensor(sorted({min(int(rnd.paretovariate(1.0)) - 1, s.num_rows - 1)
+                                             for _ in range(12)}), dtype=torch.int64)
+                for s in SPECS}
+        with torch.enable_grad():
+            values = cache.pull(rows)
+        served.append((step, {n: (rows[n], v) for n, v in values.items()}, history))
+        grads = {n: (r, torch.randn(r.numel(), SPECS[i].dim)) for i, (n, r) in
+                 enumerate(rows.items())}
+        void = step in void_at
+        if not void:
+            for n, (r, g) in grads.items():
+                given[n][r] += g
+        cache.push_async(grads, [], 0.0, 1, void=void)
+    return server, stats, given, served
+
+
+@pytest.mark.parametrize("staleness,capacity", [(1, 50), (3, 50), (5, 8), (4, 200)])
+def test_no_gradient_is_lost_and_none_is_pushed_twice(staleness, capacity):
+    server, _, given, _ = _run(staleness, capacity, void_at={7, 8, 30})
+    for name in given:
+        torch.testing.assert_close(server.received[name], given[name], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cached_value_is_never_older_than_the_bound():
+    """Every value a lookup served is what the server held at the start of one of the last
+    `staleness` + 1 steps."""
+    staleness = 3
+    _, _, _, served = _run(staleness, 50)
+    for step, looked, history in served:
+        for name, (rows, values) in looked.items():
+            for i, row in enumerate(rows.tolist()):
+                assert any(torch.equal(history[t][name][row], values[i])
+                           for t in range(max(0, step - staleness), step + 1)), \
+                    f"{name} row {row} at step {step}: a value older than the bound"
+
+
+def test_the_cache_serves_skewed_lookups_and_cuts_the_rows_on_the_wire():
+    exact, _, _, _ = _run(staleness=0, capacity=0)  # no cache: every row every step
+    server, stats, _, _ = _run(staleness=4, capacity=64)
+    assert stats.cache_hits / stats.cache_lookups > 0.5
+    assert server.pulled < 0.5 * exact.pulled
+
+
+def test_evaluation_reads_the_server_not_the_cache():
+    server, stats, clock = Server(), WorkerStats(), [0]
+    cache = RowCache(server, SPECS, 50, 10, clock=lambda: clock[0], flush_all=lambda s: False,
+                     stats=stats)
+    rows = {"big": torch.tensor([1, 2]), "small": torch.tensor([0])}
+    with torch.enable_grad():
+        cache.pull(rows)
+    server.weights["big"][1] += 1.0  # another worker's update reached the server
+    with torch.no_grad():
+        assert torch.equal(cache.pull(rows)["big"], server.weights["big"][[1, 2]])
+    with torch.enable_grad():  # training within the bound: the cached value
+        assert not torch.equal(cache.pull(rows)["big"], server.weights["big"][[1, 2]])
+
+
+def test_a_new_membership_epoch_starts_cold():
+    server, stats, clock = Server(), WorkerStats(), [0]
+    cache = RowCache(server, SPECS, 50, 10, clock=lambda: clock[0], flush_all=lambda s: False,
+                     stats=stats)
+    rows = {"big": torch.tensor([1, 2]), "small": torch.tensor([0])}
+    with torch.enable_grad():
+        cache.pull(rows)
+    cache.bind(server)
+    before = server.pulled
+    with torch.enable_grad():
+        cache.pull(rows)
+    assert server.pulled == before + 3
