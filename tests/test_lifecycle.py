@@ -54,6 +54,9 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+LIMIT_S = 20.0  # SIGTERM to every process gone: 3-6 s idle, past 10 s seen under the full suite
+
+
 def _wait_for(path: Path, timeout: float, out: Optional[Path] = None) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -78,31 +81,36 @@ def test_sigterm_to_launcher_commits_the_step_it_stopped_at_and_every_process_is
     """resnet18 with a 10,000-image test split: evaluating it takes about 9 s here (0.94 s per
     1,000 32x32 images on one thread, measured), which a stop on a signal must not spend. The
     final checkpoint comes first, evaluation is skipped, and the launcher, its forkserver and
-    every rank are gone within 10 s of the SIGTERM, the launcher last."""
+    every rank are gone within seconds of the SIGTERM (LIMIT_S: room for a loaded machine; the
+    skipped evaluation is checked apart), the launcher last."""
     ck, out = tmp_path / "ck", tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "psrpc", "model=resnet18", "data.image_shape=[3,32,32]",
          "data.size=512", "data.test_size=10000", "train.batch_size=8", "train.steps=1000000",
          "train.log_every=10", f"checkpoint.dir={ck}", "checkpoint.every_steps=10",
-         f"out_dir={out}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         f"out_dir={out}"],  # output to a file: a pipe nobody reads could fill and block it
+        cwd=tmp_path, stdout=(tmp_path / "output.txt").open("w"), stderr=subprocess.STDOUT)
     try:
-        _wait_for(ck / "step-10" / "manifest.json", 150)
+        _wait_for(ck / "step-10" / "manifest.json", 150, out)
         family = [proc.pid] + _descendants(proc.pid)
         assert len(family) >= 6  # launcher, forkserver, resource tracker, ps0, worker0, worker1
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
-        while proc.poll() is None and time.monotonic() - t0 < 10:
+        while proc.poll() is None and time.monotonic() - t0 < LIMIT_S:
             time.sleep(0.02)
         left_at_exit = _alive(family[1:])
-        while _alive(family) and time.monotonic() - t0 < 10:
+        while _alive(family) and time.monotonic() - t0 < LIMIT_S:
             time.sleep(0.1)
-        assert not _alive(family), f"still running 10 s after SIGTERM: {_alive(family)}"
+        took = time.monotonic() - t0
+        assert not _alive(family), (f"still running {LIMIT_S} s after SIGTERM: {_alive(family)}"
+                                    f"{_tails(out)}")
         assert not left_at_exit, f"the launcher exited before {left_at_exit}"
-        output = proc.communicate(timeout=10)[0]
+        proc.wait(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    output = (tmp_path / "output.txt").read_text()
+    print(f"every process gone {took:.1f} s after SIGTERM")
     assert proc.returncode != 0 and "stopped by SIGTERM" in output, output[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] and summary["steps"] >= 10
