@@ -14,7 +14,8 @@ Each cached row carries two clocks, in global steps (the table shards' version):
   would have; a stateful row optimizer (Adagrad, Adam) sees one larger step instead of s small
   ones, which is the approximation HET makes too.
 
-Eviction is least recently used among the rows the current batch does not use. Lookups outside
+Eviction is least recently used among the rows the current batch does not use, a sixteenth of
+the slots at a time. Lookups outside
 training (evaluation, no autograd) bypass the cache and read the PS. A membership epoch or a
 roll back of the PS drops the cache, values and held gradients (this worker's last s steps of
 table gradients are then lost, as a step in flight is); a worker that joins again starts cold.
@@ -58,6 +59,9 @@ class _Table:
         need = n - len(self.free)
         ev_rows, ev_grads = torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
         if need > 0:
+            # a sixteenth of the slots at once: the scan for the least recently used is paid
+            # once every many steps, not at every miss
+            need = max(need, self.cap // 16)
             candidates = ((self.used < tick) & (self.row >= 0)).nonzero().squeeze(1)
             k = min(need, candidates.numel())
             if k:
