@@ -98,13 +98,19 @@ def test_the_cache_serves_skewed_lookups_and_cuts_the_rows_on_the_wire():
     assert server.pulled < 0.5 * exact.pulled
 
 
-def test_evaluation_reads_the_server_not_the_cache():
-    server, stats, clock = Server(), WorkerStats(), [0]
-    cache = RowCache(server, SPECS, 50, 10, clock=lambda: clock[0], flush_all=lambda s: False,
-                     stats=stats)
+def _warm():
+    """A cache (50 rows, a bound of 10 steps) that has looked up three rows once."""
+    server = Server()
+    cache = RowCache(server, SPECS, 50, 10, clock=lambda: 0, flush_all=lambda s: False,
+                     stats=WorkerStats())
     rows = {"big": torch.tensor([1, 2]), "small": torch.tensor([0])}
     with torch.enable_grad():
         cache.pull(rows)
+    return server, cache, rows
+
+
+def test_evaluation_reads_the_server_not_the_cache():
+    server, cache, rows = _warm()
     server.weights["big"][1] += 1.0  # another worker's update reached the server
     with torch.no_grad():
         assert torch.equal(cache.pull(rows)["big"], server.weights["big"][[1, 2]])
@@ -113,12 +119,7 @@ def test_evaluation_reads_the_server_not_the_cache():
 
 
 def test_a_new_membership_epoch_starts_cold():
-    server, stats, clock = Server(), WorkerStats(), [0]
-    cache = RowCache(server, SPECS, 50, 10, clock=lambda: clock[0], flush_all=lambda s: False,
-                     stats=stats)
-    rows = {"big": torch.tensor([1, 2]), "small": torch.tensor([0])}
-    with torch.enable_grad():
-        cache.pull(rows)
+    server, cache, rows = _warm()
     cache.bind(server)
     before = server.pulled
     with torch.enable_grad():

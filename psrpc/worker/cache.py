@@ -125,10 +125,8 @@ class RowCache:
         misses, slots = {}, {}
         for name, r in rows.items():
             t = self.tables[name]
-            s = t.slots_of(r)
+            s, fresh = self._lookup(t, r, now)
             cached = s >= 0
-            fresh = cached.clone()
-            fresh[cached] = now - t.pulled_at[s[cached]] <= self.staleness
             self.stats.cache_lookups += r.numel()
             self.stats.cache_hits += int(fresh.sum())
             slots[name] = s
@@ -171,14 +169,18 @@ class RowCache:
         """{table: the rows of `rows` a lookup at step `now` cannot serve from here}."""
         out = {}
         for name, r in rows.items():
-            t = self.tables[name]
-            s = t.slots_of(r)
-            cached = s >= 0
-            fresh = cached.clone()
-            fresh[cached] = now - t.pulled_at[s[cached]] <= self.staleness
+            fresh = self._lookup(self.tables[name], r, now)[1]
             if not bool(fresh.all()):
                 out[name] = r[~fresh]
         return out
+
+    def _lookup(self, t: _Table, rows: torch.Tensor, now: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots of `rows`, -1 where not cached; whether each is fresh at step `now`)."""
+        s = t.slots_of(rows)
+        cached = s >= 0
+        fresh = cached.clone()
+        fresh[cached] = now - t.pulled_at[s[cached]] <= self.staleness
+        return s, fresh
 
     # -- writes -------------------------------------------------------------------------------
     def push_async(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
