@@ -17,7 +17,7 @@ import torch
 
 from psrpc import factories
 from psrpc.config import Config
-from psrpc.ps.optim import build_optimizer
+from psrpc.optim.dense import build_optimizer
 from psrpc.worker.batches import GlobalBatches
 from psrpc.worker.loader import StepBatches, fetch
 

@@ -80,7 +80,7 @@ def in_process_seconds(numel: int, rounds: int, threads: int) -> float:
 def _in_process(numel: int, rounds: int) -> float:
     from types import SimpleNamespace
 
-    from psrpc.ps.optim import build_optimizer
+    from psrpc.optim.dense import build_optimizer
 
     params, model = torch.randn(numel), torch.empty(numel)
     produced, buf = torch.randn(numel) * 1e-3, torch.empty(numel)

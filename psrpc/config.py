@@ -62,6 +62,9 @@ class SyncUpdateConfig:
     """A round waiting longer aggregates what it has; missing workers count as lost."""
     wire_dtype: str = MISSING
     """What crosses the wire: float32, bfloat16 or float16 (the master copy stays float32)."""
+    dense: str = MISSING
+    """ps: dense parameters on the PS; allreduce: replicated on the workers, averaged by a
+    process group among them (gloo / NCCL), their optimizer there; only tables on the PS."""
 
 
 @dataclass
@@ -76,6 +79,8 @@ class AsyncUpdateConfig:
     """A push held by the staleness bound longer than this is released; the laggard counts as lost."""
     wire_dtype: str = MISSING
     """What crosses the wire: float32, bfloat16 or float16 (the master copy stays float32)."""
+    dense: str = MISSING
+    """ps only: dense all-reduce is synchronous (update=sync)."""
 
 
 @dataclass

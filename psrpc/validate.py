@@ -28,7 +28,7 @@ from psrpc.errors import ConfigError, first_line, one_of, require
 from psrpc.factories import (arguments, build_loss, build_metric, build_model, injected, load_data,
                              locate)
 from psrpc.models.stages import model_cuts
-from psrpc.ps.schedule import SCHEDULES
+from psrpc.optim.schedule import SCHEDULES
 from psrpc.sparse.optim import SPARSE_OPTIMIZERS
 from psrpc.sparse.rows import Partition
 from psrpc.sparse.tables import DryRows, find_tables
@@ -83,6 +83,7 @@ def check_values(cfg: Config) -> None:
     require(c.shm != "on" or u.wire_dtype == "float32", "cluster.shm", c.shm,
             f"shares float32 gradients; update.wire_dtype={u.wire_dtype} is for a network: use "
             "cluster.shm=auto (TCP for this run) or update.wire_dtype=float32")
+    one_of(("ps", "allreduce"), u.dense, "update.dense")
     if u.name == "sync":
         r = u.replicas_to_aggregate
         require(r is None or 1 <= r <= replicas(cfg), "update.replicas_to_aggregate", r,
@@ -90,6 +91,19 @@ def check_values(cfg: Config) -> None:
     else:
         require(u.max_staleness is None or u.max_staleness >= 0, "update.max_staleness",
                u.max_staleness, "must be ≥ 0, or null for unbounded")
+    if u.dense == "allreduce":
+        require(u.name == "sync", "update.dense", u.dense,
+                "needs update=sync (an all-reduce waits for every worker); use update.dense=ps "
+                "with update=async")
+        require(p.name == "data", "update.dense", u.dense,
+                "is for parallel=data (pipeline stages keep their parameters on the PS)")
+        require(u.replicas_to_aggregate in (None, replicas(cfg)),
+                "update.replicas_to_aggregate", u.replicas_to_aggregate,
+                "must be null (every worker) with update.dense=allreduce: an all-reduce has no "
+                "backup workers")
+        require(u.wire_dtype == "float32", "update.wire_dtype", u.wire_dtype,
+                "must be float32 with update.dense=allreduce (the process group averages "
+                "float32 gradients)")
     require(t.steps >= 1, "train.steps", t.steps, "must be ≥ 1")
     require(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be ≥ 1")
     require(t.log_every >= 1, "train.log_every", t.log_every, "must be ≥ 1")

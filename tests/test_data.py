@@ -80,7 +80,7 @@ def test_schedules_match_torch_lr_schedulers():
     function of the global step."""
     from types import SimpleNamespace as NS
 
-    from psrpc.ps.schedule import lr_factor
+    from psrpc.optim.schedule import lr_factor
 
     opt = NS(lr=0.1, warmup_steps=0, step_size=7, gamma=0.5, min_lr=0.01)
     steps = 40

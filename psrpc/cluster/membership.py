@@ -141,6 +141,12 @@ def current() -> int:
     return _STATE["epoch"]
 
 
+def group_prefix(what: str) -> str:
+    """A store prefix for a process group formed in the current epoch (the dense all-reduce):
+    every epoch's is new, so a group of a gone epoch never meets a newer one's keys."""
+    return f"psrpc/attempt-{_STATE['attempt']}/epoch-{current()}/{what}/"
+
+
 def _parse(value: bytes) -> tuple[int, bool]:
     parts = value.decode().split()
     return int(parts[0]), FINISHED in parts[1:]

@@ -28,8 +28,8 @@ from psrpc.cluster import comm, shm
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
-from psrpc.ps.optim import build_optimizer, count_step
-from psrpc.ps.schedule import lr_factor
+from psrpc.optim.dense import build_optimizer, count_step
+from psrpc.optim.schedule import lr_factor
 from psrpc.ps.snapshots import ShardSnapshots
 from psrpc.ps.updates import build_updater
 
@@ -237,6 +237,12 @@ class Shard:
             if hasattr(self.updater, "caught_up"):
                 self.updater.caught_up()
             return self.version
+
+    def counters(self) -> dict:
+        """This shard's counters as a checkpoint holds them (the dense files the chief writes
+        with update.dense=allreduce carry the clock shard's)."""
+        with self.lock:
+            return asdict(self.stats)
 
     def report(self) -> dict:
         with self.lock:

@@ -27,7 +27,7 @@ from psrpc.ps import service
 from psrpc.ps.shard import ShardSpec, ShardStats
 from psrpc.ps.tables import TableShardSpec
 from psrpc.sparse.tables import find_tables
-from psrpc.worker.plan import Plan
+from psrpc.worker.plan import DenseState, Plan
 from psrpc.worker.replica import model_buffers
 
 log = logging.getLogger("psrpc")
@@ -44,12 +44,14 @@ def bootstrap(cfg: Config, topo: Topology, build_model: Callable[[Config, Data],
     restored = checkpoint.find_latest(cfg.checkpoint.dir)
     flats, states = initial_state(cfg, model, layout, restored)
     buffers = restored_buffers(cfg, model, restored)
-    shared = plan_shm(cfg, topo, layouts)
-    shards = create_shards(cfg, topo, layouts, flats, states, restored, shared)
+    on_ps, flats, states, dense = split_dense(cfg, layouts, flats, states, restored)
+    shared = plan_shm(cfg, topo, layouts) if dense is None else []
+    shards = create_shards(cfg, topo, on_ps, flats, states, restored, shared)
     specs = [spec for t in find_tables(model) for spec in t.specs]
-    tables = create_table_shards(cfg, topo, specs, layout.num_shards, restored) if specs else []
+    tables = (create_table_shards(cfg, topo, specs, Layout.concat(on_ps).num_shards, restored)
+              if specs else [])
     plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers, tables,
-                specs, cfg.sparse.partition, shared=shared)
+                specs, cfg.sparse.partition, shared=shared, dense=dense)
     if specs:
         rows = sum(t.num_rows for t in specs)
         log.info("%d embedding table(s), %d rows × %s in all, on %d PS (%s partition, %s)",
@@ -64,14 +66,34 @@ def bootstrap(cfg: Config, topo: Topology, build_model: Callable[[Config, Data],
 
 
 def plan_layouts(cfg: Config, topo: Topology, model) -> tuple[list[int], list[Layout]]:
-    """Where every parameter goes: one layout per pipeline stage (data parallel: one)."""
+    """Where every parameter goes: one layout per pipeline stage (data parallel: one). With
+    update.dense=allreduce it is the workers' own buffers: buckets, no tensor cut in pieces."""
     if cfg.parallel.name == "data":
         cuts, shapes = [0], [{n: tuple(p.shape) for n, p in model.named_parameters()}]
     else:
         cuts = model_cuts(model, cfg.parallel)
         shapes = stage_shapes(model, cuts)
+    if cfg.update.dense == "allreduce":
+        return cuts, [Layout.plan(sh, 1, 2 ** 62, cfg.cluster.bucket_bytes) for sh in shapes]
     return cuts, [Layout.plan(sh, topo.num_ps, cfg.cluster.max_shard_bytes,
                               cfg.cluster.bucket_bytes) for sh in shapes]
+
+
+CLOCK = Layout({}, (), (0,), (0,))
+"""update.dense=allreduce: what the PS holds of the dense model, one shard with no parameters
+on ps0: the global step, the barrier and the counters (the clock shard)."""
+
+
+def split_dense(cfg: Config, layouts: list[Layout], flats: list, states: list,
+                restored: Optional[checkpoint.Restored]):
+    """(the layouts the PS holds, their flats, their states, the workers' DenseState or None):
+    everything on the PS with update.dense=ps; with allreduce the clock shard on the PS and
+    the dense state for the workers."""
+    if cfg.update.dense != "allreduce":
+        return layouts, flats, states, None
+    dense = DenseState(restored.step if restored else 0, flats,
+                       [st or {} for st in states])
+    return [CLOCK], [torch.zeros(0)], [None], dense
 
 
 def initial_state(cfg: Config, model, layout: Layout,
@@ -130,7 +152,7 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
         spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
                          version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
                          build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
-                         stats[g], name, shared[g])
+                         stats[g], name, shared[g] if shared else None)
         specs.append((topo.ps_names[k], spec))
     shards = _create(specs)
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]

@@ -27,7 +27,9 @@ from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line
 from psrpc.ps import service
 from psrpc.session import outputs
-from psrpc.session.bootstrap import bootstrap, create_shards, create_table_shards, initial_state
+from psrpc.cluster.layout import Layout
+from psrpc.session.bootstrap import (bootstrap, create_shards, create_table_shards, initial_state,
+                                     split_dense)
 from psrpc.session.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
                                  default_hooks)
 from psrpc.session.saver import build_saver
@@ -89,6 +91,7 @@ class Chief:
         self.final_checkpoint_error: Optional[str] = None
         self.epochs: list[dict] = []  # membership epochs after the first
         self.first_epoch = 0  # the one it joined at start
+        self.worker = None  # the chief's own replica (run)
 
     def initialise(self):
         """Create the shards (fresh or restored) and hand the plan to the workers."""
@@ -135,6 +138,10 @@ class Chief:
             target = max(versions)
             comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
             plan = replace(self.plan, rolled_back_to=None)
+            dense = getattr(self.worker, "allreduce", None)
+            if dense is not None:  # every worker takes the chief's replica, at the target
+                dense.catch_up(target)
+                plan = replace(plan, dense=dense.state())
         else:
             plan, rolled_back = self._roll_back(epoch, who)
         self.plan = plan
@@ -168,14 +175,15 @@ class Chief:
         comm.wait_all([comm.call(n, service.drop_shards) for n in self.topo.ps_names])
         model, layout = self.worker_model, self.plan.layout
         flats, states = initial_state(self.cfg, model, layout, restored)
+        on_ps, flats, states, dense = split_dense(self.cfg, self.plan.layouts, flats, states,
+                                                  restored)
         topo = replace(self.topo, epoch=epoch)  # fault.crash_* crash the first epoch only
-        shards = create_shards(self.cfg, topo, self.plan.layouts, flats, states, restored,
-                               self.plan.shared)
-        tables = (create_table_shards(self.cfg, topo, self.plan.table_specs, layout.num_shards,
-                                      restored)
+        shards = create_shards(self.cfg, topo, on_ps, flats, states, restored, self.plan.shared)
+        tables = (create_table_shards(self.cfg, topo, self.plan.table_specs,
+                                      Layout.concat(on_ps).num_shards, restored)
                   if self.plan.table_specs else [])
         return replace(self.plan, shards=shards, table_shards=tables, buffers=restored.buffers,
-                       rolled_back_to=restored.step), restored.step
+                       rolled_back_to=restored.step, dense=dense), restored.step
 
     # -- train ---------------------------------------------------------------------------------
     def after_step(self, reply: Reply, push_s: float, local_loss: float) -> bool:
@@ -217,11 +225,14 @@ class Chief:
         self.first_epoch = membership.current()
         worker = self.replica_cls(self.cfg, self.topo, self.plan, model=model, dataset=dataset)
         worker.plan_source = self.begin_epoch  # the chief makes each epoch's plan itself
+        self.worker = worker
         self.worker_model = worker.model
         self.train_size = len(worker.data.train)
         evaluate = outputs.Evaluator(worker, self.cfg)
         start = self.plan.restored_from_step or 0
-        self.saver = build_saver(self.cfg, self.plan, start, worker.buffers)
+        dense = getattr(worker, "allreduce", None)
+        self.saver = build_saver(self.cfg, self.plan, start, worker.buffers,
+                                 dense.state if dense is not None else None)
         ck = self.cfg.checkpoint
         self.best = (BestModel(Path(ck.dir) / "best", evaluate.key, evaluate.higher_is_better)
                      if ck.best and ck.dir else None)

@@ -21,7 +21,12 @@ log = logging.getLogger("psrpc")
 def gather(plan, worker) -> dict:
     """The full model's state_dict: parameters from the shards, buffers (BatchNorm statistics)
     from the chief's replica (its stages, in model parallel); CPU tensors."""
-    flats = [f[1] for f in comm.wait_all([comm.invoke(r, "pull_full") for r in plan.all_shards])]
+    dense = getattr(worker, "allreduce", None)
+    if dense is not None:  # update.dense=allreduce: the chief's replica holds them
+        flats = dense.state().flats
+    else:
+        flats = [f[1] for f in comm.wait_all([comm.invoke(r, "pull_full")
+                                               for r in plan.all_shards])]
     state = plan.layout.join(flats)
     state.update(worker.buffers())
     return state

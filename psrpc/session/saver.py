@@ -45,11 +45,16 @@ class _Ask:
 
 class CheckpointSaver(Hook):
     def __init__(self, cfg, plan, start_step: int, margin: int,
-                 buffers: Callable[[], dict] = dict, wait_s: float = 60.0):
+                 buffers: Callable[[], dict] = dict, wait_s: float = 60.0,
+                 dense: Optional[Callable] = None):
         ck = cfg.checkpoint
         self.root, self.every_steps, self.every_s, self.keep = ck.dir, ck.every_steps, ck.every_s, ck.keep
-        self.shards, self.layout = plan.all_shards + plan.table_shards, plan.layout
-        self.dense = len(plan.all_shards)  # then one table shard per PS, if the model has tables
+        # update.dense=allreduce: `dense()` is the chief's replica's DenseState; the chief
+        # writes the dense files, the PS only the tables (its clock shard holds no parameters)
+        self.replica_dense = dense
+        self.layout = plan.layout
+        self.shards = self._savers(plan)
+        self.dense = len(self.shards) - len(plan.table_shards)  # then one table shard per PS
         self.tables = ({"specs": [{"name": t.name, "num_rows": t.num_rows, "dim": t.dim}
                                   for t in plan.table_specs],
                         "partition": plan.partition, "num_ps": len(plan.table_shards)}
@@ -92,7 +97,7 @@ class CheckpointSaver(Hook):
         """A new membership epoch: the same shards (or restored ones) through new references.
         Every step still on its way is asked again through them: the old group's answers are
         lost with it."""
-        self.shards = plan.all_shards + plan.table_shards
+        self.shards = self._savers(plan)
         with self._cv:
             self._epoch += 1
             for ask in self._pending.values():
@@ -116,6 +121,11 @@ class CheckpointSaver(Hook):
                 ask.epoch = self._epoch
             self._cv.notify_all()
 
+    def _savers(self, plan) -> list:
+        """The shards that write their own files: all, or the tables only (dense on workers)."""
+        self.clock = plan.all_shards[0]
+        return plan.table_shards if self.replica_dense else plan.all_shards + plan.table_shards
+
     def _request(self, step: int) -> list:
         return [comm.invoke(r, "request_save", step) for r in self.shards]
 
@@ -124,9 +134,17 @@ class CheckpointSaver(Hook):
         on the training thread only, as everything that touches `_buffers` does."""
         due = [s for s in self._buffers if s <= step]
         if due:
-            state = self.buffers()
+            state = (self.buffers(), self._dense_at(step))
             for s in due:
-                self._buffers.pop(s).set_result(state)
+                self._buffers.pop(s).set_result(
+                    state if s == step or self.replica_dense is None else None)
+
+    def _dense_at(self, step: int) -> Optional[tuple]:
+        """With update.dense=allreduce: the chief's replica and the clock's counters at `step`
+        (sync with every worker: the clock cannot pass a step without the chief's next push)."""
+        if self.replica_dense is None:
+            return None
+        return self.replica_dense(), comm.invoke(self.clock, "counters").wait()
 
     def save(self, step: int) -> PyFuture:
         """Ask every shard for step `step`; the manifest follows once all have written it."""
@@ -216,11 +234,18 @@ class CheckpointSaver(Hook):
             log.warning("checkpoint step %d not made: the chief did not reach it within %.0f s "
                         "to add its buffers; keeping the last one", step, self.wait_s)
             return False
+        buffers, dense = state
+        if dense is not None and dense[0].version != step:  # cannot happen in sync: said if so
+            log.warning("checkpoint step %d not made: the chief's replica was at step %d",
+                        step, dense[0].version)
+            return False
         try:
-            entry = checkpoint.save_buffers(self.root, step, state)
+            dense_files = (infos[:self.dense] if dense is None
+                           else _save_dense(self.root, step, *dense))
+            entry = checkpoint.save_buffers(self.root, step, buffers)
             tables = ({**self.tables, "files": infos[self.dense:]}
                       if self.tables is not None else None)
-            checkpoint.write_manifest(self.root, step, self.layout, infos[:self.dense],
+            checkpoint.write_manifest(self.root, step, self.layout, dense_files,
                                       self.extra, entry, tables)
         except checkpoint.StepCommitted as e:
             log.warning("checkpoint step %d not made: %s", step, e)
@@ -251,12 +276,22 @@ class CheckpointSaver(Hook):
         return self.errors.get(step)
 
 
-def build_saver(cfg, plan, start_step: int, buffers: Callable[[], dict]
-                ) -> Optional[CheckpointSaver]:
+def _save_dense(root, step: int, dense, counters: dict) -> list[dict]:
+    """The dense files of `step` from the chief's replica, as a PS writes a shard's: the clock
+    shard's counters go with the first (what a restore carries over)."""
+    return [checkpoint.save_shard(root, {
+        "shard": k, "version": step, "params": flat,
+        "optimizer": {"state": {0: st} if st else {}, "param_groups": []},
+        "stats": counters if k == 0 else {}}) for k, (flat, st) in enumerate(zip(dense.flats,
+                                                                             dense.states))]
+
+
+def build_saver(cfg, plan, start_step: int, buffers: Callable[[], dict],
+                dense: Optional[Callable] = None) -> Optional[CheckpointSaver]:
     if not cfg.checkpoint.dir:
         return None
     margin = 1 if cfg.update.name == "sync" else 2 * cfg.cluster.num_workers
-    saver = CheckpointSaver(cfg, plan, start_step, margin, buffers, rpc_timeout_s(cfg))
+    saver = CheckpointSaver(cfg, plan, start_step, margin, buffers, rpc_timeout_s(cfg), dense)
     # Before the first save: a committed step that no longer loads (restore skipped it) is set
     # aside now, so that it neither blocks a save of its step nor counts toward keep.
     checkpoint.prune(saver.root, saver.keep, start_step, saver.good)

@@ -27,6 +27,7 @@ from psrpc.config import Config
 from psrpc.factories import Data
 from psrpc.sparse.tables import find_tables
 from psrpc.worker import rng
+from psrpc.worker.allreduce import DenseAllReduce
 from psrpc.worker.cache import RowCache
 from psrpc.worker.client import ShardClient
 from psrpc.worker.flat import FlatModel
@@ -47,6 +48,9 @@ class Worker(Replica):
         self.flat = FlatModel(self.model, plan.layouts[0], self.device,
                               WIRE_DTYPES[cfg.update.wire_dtype], plan.shm_for(0, self.index))
         self.client = ShardClient(plan.shards[0], self.index)
+        # update.dense=allreduce: the dense replica is this worker's, averaged among the workers
+        self.allreduce = (DenseAllReduce(cfg, self.index, topo.replicas, self.flat, plan.dense)
+                          if plan.dense is not None else None)
         # Embedding tables live on the PS: the model's look their rows up there.
         self.tables = find_tables(self.model)
         self.table_versions: list[int] = []
@@ -81,21 +85,29 @@ class Worker(Replica):
         return {n: b.detach().cpu().clone() for n, b in model_buffers(self.model).items()}
 
     def load(self, replies: list[Reply]) -> list[int]:
-        for k, r in enumerate(replies):
-            self.flat.load(k, r.params)
+        if self.allreduce is not None:  # the clock's step: the replica is brought to it
+            self.allreduce.catch_up(replies[0].version)
+        else:
+            for k, r in enumerate(replies):
+                self.flat.load(k, r.params)
         if self.rows is not None:  # the table shards' versions (their rows are pulled per batch)
             self.table_versions = [r.version for r in self.rows.pull_versions()]
         return [r.version for r in replies]
 
     def receive(self, futures: list) -> list[Reply]:
         """Wait for each shard's reply and copy it in at once, while later ones still arrive;
-        then the table shards' replies (after the dense ones in `futures`)."""
-        dense = len(self.flat.params)
+        then the table shards' replies (after the dense ones in `futures`). With
+        update.dense=allreduce the one dense reply is the clock's: the replica then applies
+        the averaged gradient if its round was applied."""
+        dense = len(self.client.shards)
         replies = []
         for k, fut in enumerate(futures[:dense]):
             (reply,) = self.client.wait([fut], first=k)
-            self.flat.load(k, reply.params)
+            if self.allreduce is None:
+                self.flat.load(k, reply.params)
             replies.append(reply)
+        if self.allreduce is not None:
+            self.allreduce.settle(replies[0].accepted)
         if self.rows is not None:
             tables = comm.wait_all(futures[dense:])
             self.rows.receive(tables)
@@ -113,12 +125,17 @@ class Worker(Replica):
         rng.seed_all(rng.step_seed(self.cfg.train.seed, self.replica, step))
         self.flat.zero_grad()
         self.flat.ready()
+        if self.allreduce is not None:
+            self.allreduce.abandon()  # what a failed step left
         loss = self.forward_loss(self.model, x, y)
         value = loss.item()
         futures: list = [None] * len(versions)
         ticket = None
 
         def push(k: int) -> None:  # once shard k's gradient is on the host (at once on CPU)
+            if self.allreduce is not None:  # (all-reduced among the workers instead)
+                self.allreduce.start(k)
+                return
             self.flat.send(k, lambda g: futures.__setitem__(
                 k, self.client.push_one(k, versions[k], g, value, self.batch, ticket)))
 
@@ -132,7 +149,7 @@ class Worker(Replica):
             self.flat.arm(push)
         self.faults.before_backward(versions[0])
         loss.backward()
-        rest = self.flat.disarm() if overlap else list(range(len(versions)))
+        rest = self.flat.disarm() if overlap else list(range(len(self.flat.params)))
         table_grads = self.table_gradients()
         if nan:
             self.faults.corrupt(versions[0], self.flat.all_grads() + [g for _, g in
@@ -152,6 +169,11 @@ class Worker(Replica):
         for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
         self.flat.flush()
+        if self.allreduce is not None:  # the clock shard counts the round; a non-finite
+            # average (every worker has the same) is pushed as a non-finite loss: skipped
+            finite = self.allreduce.finish(versions[0])
+            futures = [self.client.push_one(0, versions[0], _EMPTY, value if finite else
+                                            float("nan"), self.batch, ticket)]
         if self.rows is not None:  # every table shard, after backward has reached the tables
             # (void, as the dense shards', when computed across an update of a master copy)
             futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
@@ -195,6 +217,8 @@ class Worker(Replica):
                 t.bind(self.rows)
         if plan.rolled_back_to is not None:
             load_buffers(self.model, plan.buffers)
+        if self.allreduce is not None and plan.dense is not None:
+            self.allreduce.load(plan.dense)
 
     def rejoin(self) -> tuple[list[Reply], list[int]]:
         """Join the new membership epoch's group, take its plan, pull the parameters."""
@@ -252,6 +276,9 @@ class Worker(Replica):
             self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if not ended and after_step(replies[0], t2 - t1, loss):
                 break
+
+
+_EMPTY = torch.zeros(0)  # the gradient pushed to the clock shard (update.dense=allreduce)
 
 
 class _Grad:

@@ -13,6 +13,18 @@ from psrpc.cluster.layout import Layout
 
 
 @dataclass
+class DenseState:
+    """The dense parameters held by the workers (update.dense=allreduce): per flat buffer of
+    the layout, the parameters and their optimizer state (`optimizer.state[param]`'s form, {}
+    before the first step), at global step `version`. From the chief: fresh, restored, or its
+    replica's when a membership epoch starts."""
+
+    version: int
+    flats: list[torch.Tensor]
+    states: list[dict]
+
+
+@dataclass
 class Plan:
     """What the chief hands every worker once the shards exist."""
 
@@ -26,6 +38,9 @@ class Plan:
     partition: str = "mod"  # sparse.partition
     rolled_back_to: Optional[int] = None  # a new membership epoch that restored a checkpoint
     shared: list = field(default_factory=list)  # per dense shard: shared memory (bootstrap)
+    # update.dense=allreduce: the dense state every worker starts the epoch from; the layouts
+    # are then the workers' own buffers and shards[0] is one clock shard with no parameters
+    dense: Optional[DenseState] = None
 
     def shm_for(self, stage: int, worker: int) -> list:
         """For FlatModel: per shard of `stage`, (mode, params segment, slot segment) when
@@ -49,7 +64,8 @@ class Plan:
 
     @property
     def all_shards(self) -> list:
-        """Every dense shard, stage by stage (what the layout describes)."""
+        """Every dense shard, stage by stage (what the layout describes, except with
+        update.dense=allreduce: the one clock shard)."""
         return [rref for stage in self.shards for rref in stage]
 
     @property

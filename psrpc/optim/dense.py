@@ -1,4 +1,5 @@
-"""Optimizers run on the PS over one flat master tensor per shard (state lives there too).
+"""Dense optimizers over one flat tensor: a shard's master copy on the PS, or a worker's
+replica (update.dense=allreduce); their state lives with the tensor.
 
 torch.optim does the work: a shard is a single parameter tensor whose `.grad` is the round's
 average. Every optimizer here is elementwise, so sharding never changes the result.

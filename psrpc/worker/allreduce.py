@@ -1,0 +1,159 @@
+"""update.dense=allreduce: the dense parameters live on the workers, as in DDP, and only the
+embedding tables live on the PS (as HET and PERSIA train: the PS never touches a dense weight).
+
+Every worker holds the whole dense replica in FlatModel's flat buffers. A step: backward fills
+each buffer's gradient; each is all-reduced (summed) over a process group of the W workers as
+soon as it is complete, then divided by W (the PS's average: the sum of two is the same in
+either order, so W=2 gives the bits a PS gives). The worker then pushes an empty gradient and
+its loss to the clock shard, which keeps the global step, the barrier, and every counter and
+hook that hangs on them. Once the clock's reply says the round was applied, each worker steps
+its own optimizer (the PS's, by the same learning-rate schedule): every replica stays
+identical, and W workers of batch B still make the updates of one worker of batch W·B.
+
+A membership epoch forms a new process group (the old one's members are gone); the chief hands
+every worker the dense state of its replica with the epoch's plan, brought to the step the
+shards were lined up at: the gradient of a round the clock closed but whose reply was lost is
+applied (every worker averaged it), a step passed without an update is counted (Adam's bias
+correction, as on a PS). A PS rolled back hands out the checkpoint's dense state instead.
+
+The process group is gloo over TCP on CPU, NCCL on CUDA, formed through the run's store under a
+prefix of the epoch, with update.timeout_s as its timeout: a worker that dies mid all-reduce
+ends its peers' wait with an error, then a new epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from psrpc.cluster import membership
+from psrpc.cluster import store as store_mod
+from psrpc.optim import build_optimizer, count_step, lr_factor
+from psrpc.worker.flat import FlatModel
+from psrpc.worker.plan import DenseState
+
+log = logging.getLogger(__name__)
+_GROUPS: list = []  # every group made, kept: destroying one a dead peer left can block
+
+
+class DenseAllReduce:
+    def __init__(self, cfg, rank: int, size: int, flat: FlatModel, state: DenseState):
+        self.flat, self.rank, self.size = flat, rank, size
+        self.optim_cfg, self.total_steps = cfg.optim, cfg.train.steps
+        self.timeout = timedelta(seconds=cfg.update.timeout_s)
+        self.optimizers = [build_optimizer([p], cfg.optim) for p in flat.params]
+        self.base_lr = [[g["lr"] for g in o.param_groups] for o in self.optimizers]
+        self._group = None
+        self._group_key: Optional[str] = None
+        self._works: list = []
+        self.pending: Optional[int] = None  # the step whose averaged gradient awaits the clock
+        self.load(state)
+
+    # -- the state -----------------------------------------------------------------------------
+    def load(self, state: DenseState) -> None:
+        """Take `state` (parameters and optimizer state) as this replica's."""
+        with torch.no_grad():
+            for p, flat in zip(self.flat.params, state.flats):
+                p.copy_(flat)
+        for opt, st in zip(self.optimizers, state.states):
+            loaded = opt.state_dict()
+            loaded["state"] = {0: st} if st else {}
+            opt.load_state_dict(loaded)  # casts and places it; {} clears it
+        self.version, self.pending = state.version, None
+
+    def state(self) -> DenseState:
+        """A CPU copy of this replica's dense state (for a checkpoint, a new epoch, model.pt)."""
+        flats = [p.detach().to("cpu", copy=True) for p in self.flat.params]
+        states = []
+        for opt in self.optimizers:
+            st = opt.state_dict()["state"].get(0, {})
+            states.append({k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                           for k, v in st.items()})
+        return DenseState(self.version, flats, states)
+
+    def catch_up(self, target: int) -> None:
+        """Bring the replica to global step `target` (where the clock is): a round it averaged
+        whose reply was lost is applied once the clock has passed it; further steps passed
+        without an update are counted as the shards count them."""
+        if target < self.version:
+            raise RuntimeError(f"the dense replica is at step {self.version}, past the clock's "
+                               f"{target}: replicas would differ")
+        if self.pending is not None and self.pending == self.version < target:
+            self.apply(self.version)
+        while self.version < target:
+            for opt in self.optimizers:
+                count_step(opt)
+            self.version += 1
+        self.pending = None
+
+    # -- one step ------------------------------------------------------------------------------
+    def group(self):
+        """This epoch's process group over the W workers (formed on first use)."""
+        key = membership.group_prefix("dense")
+        if self._group is None or self._group_key != key:
+            prefix = dist.PrefixStore(key, store_mod.store())
+            self._group = _make_group(prefix, self.rank, self.size, self.timeout,
+                                      self.flat.device)
+            _GROUPS.append(self._group)
+            self._group_key = key
+        return self._group
+
+    def start(self, k: int) -> None:
+        """Buffer k's gradient is complete: its all-reduce starts (backward goes on)."""
+        if self.size > 1:
+            self._works.append(self.group().allreduce([self.flat.grads[k]]))
+
+    def finish(self, version: int) -> bool:
+        """Wait for every all-reduce; average. Returns whether the average is finite (a
+        non-finite one is skipped by every worker alike)."""
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+        finite = True
+        for g in self.flat.grads:
+            if self.size > 1:
+                g.div_(self.size)
+            finite = finite and bool(torch.isfinite(g.sum(dtype=torch.float32)))
+        self.pending = version if finite else None
+        return finite
+
+    def abandon(self) -> None:
+        """The step failed before its reply (a membership change): drop unfinished work."""
+        self._works = []
+
+    def settle(self, accepted: bool) -> None:
+        """The clock's reply for the pending step: apply it if its round was applied."""
+        if self.pending is not None and accepted:
+            self.apply(self.pending)
+        self.pending = None
+
+    def apply(self, step: int) -> None:
+        """One optimizer step with the averaged gradient at step `step`'s learning rate."""
+        scale = lr_factor(step, self.optim_cfg, self.total_steps)
+        for p, g, opt, base in zip(self.flat.params, self.flat.grads, self.optimizers,
+                                   self.base_lr):
+            p.grad = g
+            try:
+                for group, lr in zip(opt.param_groups, base):
+                    group["lr"] = lr * scale
+                with torch.no_grad():
+                    opt.step()
+            finally:
+                p.grad = None
+                for group, lr in zip(opt.param_groups, base):
+                    group["lr"] = lr
+        self.version = step + 1
+
+
+def _make_group(store, rank: int, size: int, timeout: timedelta, device: torch.device):
+    """gloo (CPU) or NCCL (CUDA) over `store`, made directly: the RPC agent is this process's
+    default group, and a process group per membership epoch is needed."""
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
