@@ -41,6 +41,12 @@ from tests.conftest import compose
     (["sparse.optimizer=adam", "sparse.eps=0"], "sparse.eps=0.0: must be a finite number > 0"),
     (["sparse.optimizer=adam", "sparse.weight_decay=0.01"],
      "sparse.weight_decay=0.01: is not applied by sparse.optimizer=adam"),
+    (["update.dense=nccl"], "update.dense='nccl': must be one of ['ps', 'allreduce']"),
+    (["update=async", "update.dense=allreduce"], "update.dense='allreduce': needs update=sync"),
+    (["update.dense=allreduce", "cluster.num_workers=3", "update.replicas_to_aggregate=2"],
+     "update.replicas_to_aggregate=2: must be null (every worker) with update.dense=allreduce"),
+    (["update.dense=allreduce", "update.wire_dtype=bfloat16"],
+     "update.wire_dtype='bfloat16': must be float32 with update.dense=allreduce"),
     (["cluster.shm=on", "update.wire_dtype=bfloat16"],
      "cluster.shm='on': shares float32 gradients; update.wire_dtype=bfloat16"),
 ])

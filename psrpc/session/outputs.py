@@ -102,6 +102,7 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "stopped_early": stopped_early,
         "final_checkpoint_error": final_checkpoint_error,  # null: written (or none asked)
         **_table_traffic(plan, workers),
+        **_dense_replicas(cfg, workers),
         "shards": reports,
         "workers": workers,
     }
@@ -120,6 +121,15 @@ def _table_traffic(plan, workers: dict) -> dict:
             "table_rpcs_per_step": _round(total["table_rpcs"] / steps, 2),
             "cache_hit_rate": (_round(total["cache_hits"] / total["cache_lookups"], 4)
                                if total["cache_lookups"] else None)}
+
+
+def _dense_replicas(cfg, workers: dict) -> dict:
+    """update.dense=allreduce: whether every worker that reported ended with the same dense
+    replica (the hash of its parameters)."""
+    if cfg.update.dense != "allreduce":
+        return {"dense": "ps"}
+    digests = {w.get("dense_digest") for w in workers.values()}
+    return {"dense": "allreduce", "dense_replicas_identical": len(digests) == 1}
 
 
 def log_done(summary: dict, out_dir: Path) -> None:

@@ -276,6 +276,8 @@ class Worker(Replica):
             self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if not ended and after_step(replies[0], t2 - t1, loss):
                 break
+        if self.allreduce is not None:
+            self.stats.dense_digest = self.allreduce.digest()
 
 
 _EMPTY = torch.zeros(0)  # the gradient pushed to the clock shard (update.dense=allreduce)

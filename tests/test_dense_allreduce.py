@@ -1,0 +1,92 @@
+"""update.dense=allreduce over real clusters: the dense parameters replicated on the workers and
+averaged by a gloo process group beside the RPC agent, only the tables on the PS. The contracts
+of the PS path hold bit for bit: the same bits as the PS gives, whatever the number of PS; W
+workers of batch B equal one of batch W·B; a resumed run equals an uninterrupted one (into
+another number of PS too); a killed worker rejoins with the replicas still identical."""
+
+import shutil
+
+import pytest
+
+from tests.conftest import assert_equal_model, run_cluster
+from tests.test_sparse_cluster import CLICKS, _assert_equal, _run
+
+pytestmark = pytest.mark.timeout(300)
+ALLREDUCE = ["update.dense=allreduce"]
+
+
+@pytest.fixture(scope="module")
+def ps_w2(tmp_path_factory):
+    """The PS path: sync, 2 PS, W=2 × batch 32, Adam on the dense part."""
+    return _run(tmp_path_factory.mktemp("ps"), ["cluster.num_workers=2", "cluster.num_ps=2",
+                                                "train.batch_size=32", "optim=adam"])
+
+
+def test_allreduce_gives_the_bits_of_the_ps(tmp_path, ps_w2):
+    run = _run(tmp_path, ALLREDUCE + ["cluster.num_workers=2", "cluster.num_ps=2",
+                                      "train.batch_size=32", "optim=adam"])
+    summary = run[0]
+    assert summary["dense"] == "allreduce" and summary["dense_replicas_identical"]
+    assert summary["samples"] == ps_w2[0]["samples"] == 20 * 64
+    assert summary["shards"][0]["per_worker_applied"] == {"0": 20, "1": 20}
+    _assert_equal(run, ps_w2)  # dense and tables, bit for bit
+
+
+@pytest.mark.parametrize("ps", [1, 3])
+def test_allreduce_w1_twice_the_batch_equals_w2_whatever_the_number_of_ps(tmp_path, ps_w2, ps):
+    run = _run(tmp_path, ALLREDUCE + ["cluster.num_workers=1", f"cluster.num_ps={ps}",
+                                      "train.batch_size=64", "optim=adam"])
+    _assert_equal(run, ps_w2, exact=False)  # W=1 × 2B against W=2 × B: float sums differ
+
+
+def test_allreduce_resumed_equals_uninterrupted_into_another_number_of_ps(tmp_path, ps_w2):
+    """The chief writes the dense files (parameters, Adam's moments and step) step-consistent
+    with the tables' files; a restore re-splits them like any checkpoint."""
+    mode = ALLREDUCE + ["cluster.num_workers=2", "train.batch_size=32", "optim=adam"]
+    ck = tmp_path / "ck"
+    _run(tmp_path / "first", mode + ["cluster.num_ps=2", f"checkpoint.dir={ck}",
+                                     "hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 10}]"])
+    assert (ck / "step-10" / "shard-0.pt").exists() and (ck / "step-10" / "tables-1.pt").exists()
+    second = _run(tmp_path / "second", mode + ["cluster.num_ps=3", f"checkpoint.dir={ck}"])
+    assert second[0]["restored_from_step"] == 10 and second[0]["steps"] == 20
+    _assert_equal(second, ps_w2)
+    # and a PS-path run restores the all-reduce run's checkpoint (the same files)
+    shutil.copytree(ck, tmp_path / "ck_ps")
+    (tmp_path / "ck_ps" / "step-20").exists() and shutil.rmtree(tmp_path / "ck_ps" / "step-20")
+    third = _run(tmp_path / "third", ["cluster.num_workers=2", "train.batch_size=32",
+                                      "optim=adam", "cluster.num_ps=2",
+                                      f"checkpoint.dir={tmp_path / 'ck_ps'}"])
+    assert third[0]["restored_from_step"] == 10
+    _assert_equal(third, ps_w2)
+
+
+def test_a_killed_worker_rejoins_and_the_replicas_stay_identical(tmp_path):
+    """The process group is formed again in the new epoch; the worker started again takes the
+    chief's replica with the epoch's plan."""
+    summary, _ = run_cluster(tmp_path, ALLREDUCE + [
+        "cluster.num_workers=3", "train.steps=80", "optim=adam",
+        "fault.crash_role=worker", "fault.crash_index=2", "fault.crash_at_step=20"])
+    assert summary["steps"] == 80 and summary["workers_rejoined"] == 1
+    assert summary["workers_lost"] == 0 and summary["dense_replicas_identical"]
+    assert int(summary["shards"][0]["per_worker_applied"]["2"]) > 20
+
+
+def test_a_killed_ps_rolls_the_replicas_back_with_the_tables(tmp_path):
+    """The PS holding the clock shard dies: every shard and every replica go back to the last
+    committed step, and the run equals one restored from that checkpoint."""
+    mode = ALLREDUCE + [o for o in CLICKS if not o.startswith("train.steps")] + ["cluster.num_ps=2", "cluster.num_workers=2",
+                                      "train.steps=40", "train.batch_size=32",
+                                      "checkpoint.every_steps=10", "checkpoint.keep=100",
+                                      "update.timeout_s=30"]
+    ck = tmp_path / "ck"
+    summary, state = run_cluster(tmp_path / "killed", mode + [
+        f"checkpoint.dir={ck}", "fault.crash_role=ps", "fault.crash_index=0",
+        "fault.crash_at_step=25"], fast=False)
+    (epoch,) = summary["epochs"]
+    assert epoch["started_again"] == "ps0" and epoch["rolled_back_to"] == 20
+    assert summary["steps"] == 40 and summary["dense_replicas_identical"]
+    shutil.copytree(ck / "step-20", tmp_path / "from20" / "step-20")
+    restored = run_cluster(tmp_path / "restored", mode + [f"checkpoint.dir={tmp_path / 'from20'}"],
+                           fast=False)
+    assert restored[0]["restored_from_step"] == 20
+    assert_equal_model(state, restored[1])
