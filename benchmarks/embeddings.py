@@ -8,7 +8,9 @@ rows of its batch and pushes their gradients) against its peers, all with the sa
   `sparse=True` embedding gradients (gloo all-gathers their indices and values) or dense ones
   (all-reduced whole);
 - psrpc_cache: psrpc with the workers' hot-row cache (`cache.rows` rows per table,
-  `cache.staleness` steps);
+  `cache.staleness` steps); psrpc_allreduce: the dense part replicated on the workers and
+  averaged by a gloo all-reduce, only the tables on the PS (`update.dense=allreduce`);
+  psrpc_cache_allreduce: both;
 - torchrec: TorchRec's DistributedModelParallel over gloo: the big table sharded row-wise over
   the W ranks, each small one whole on one rank (table-wise), lookups through all-to-alls, the
   tables updated inside backward by FBGEMM's fused kernel; the MLPs in DDP.
@@ -40,7 +42,8 @@ from psrpc.sparse.tables import bag_inputs
 
 TORCHREC_INSTALL = ("pip install fbgemm-gpu-cpu==1.9.0 tensordict pyre-extensions && "
                     "pip install --no-deps torchrec==1.9.2")  # torchrec names the CUDA fbgemm-gpu
-SYSTEMS = ("single", "psrpc", "psrpc_cache", "ddp_sparse", "ddp_dense", "torchrec")
+SYSTEMS = ("single", "psrpc", "psrpc_cache", "psrpc_allreduce", "psrpc_cache_allreduce",
+           "ddp_sparse", "ddp_dense", "torchrec")
 RATIOS = ("torchrec", "ddp_sparse", "single")  # psrpc_vs_<system> columns
 
 
@@ -195,11 +198,13 @@ def torchrec(cfg) -> dict:
 
 
 def measure(system: str, ov: list[str], cache) -> float:
-    if system == "psrpc":
+    if system.startswith("psrpc"):  # _cache: the workers' hot-row cache on; _allreduce: the
+        # dense part averaged among the workers, only the tables on the PS
+        if "_cache" in system:
+            ov = ov + [f"sparse.cache_rows={cache.rows}", f"sparse.cache_staleness={cache.staleness}"]
+        if system.endswith("_allreduce"):
+            ov = ov + ["update.dense=allreduce"]
         return run_psrpc(ov)["samples_per_s"]
-    if system == "psrpc_cache":  # the workers' hot-row cache on
-        return run_psrpc(ov + [f"sparse.cache_rows={cache.rows}",
-                               f"sparse.cache_staleness={cache.staleness}"])["samples_per_s"]
     cfg = psrpc_config(ov)
     if system == "single":
         return single(cfg)["samples_per_s"]

@@ -31,6 +31,7 @@ from psrpc.faults import NoFaults
 from psrpc.optim.dense import build_optimizer, count_step
 from psrpc.optim.schedule import lr_factor
 from psrpc.ps.snapshots import ShardSnapshots
+from psrpc.ps.stats import ShardStats
 from psrpc.ps.updates import build_updater
 
 log = logging.getLogger(__name__)
@@ -56,30 +57,6 @@ class ShardSpec:
     stats: Optional[dict] = None  # counters carried over a restore
     name: str = ""  # for messages: "ps1", or "ps1/stage2" in model-parallel mode
     shm: Optional[tuple] = None  # (mode, run, worker ids): shared memory with those workers
-
-
-@dataclass
-class ShardStats:
-    applied_pushes: int = 0  # gradients applied (sync: summed over rounds)
-    samples: int = 0
-    stale_dropped: int = 0
-    nan_rejected: int = 0
-    staleness_max: int = 0
-    staleness_sum: int = 0
-    busy_s: float = 0.0  # time spent in push_pull handlers (the PS side of a round)
-    per_worker_applied: dict = field(default_factory=dict)
-    per_worker_stale: dict = field(default_factory=dict)
-
-    def applied(self, worker: int, samples: int, staleness: int = 0) -> None:
-        self.applied_pushes += 1
-        self.samples += samples
-        self.staleness_max = max(self.staleness_max, staleness)
-        self.staleness_sum += staleness
-        self.per_worker_applied[worker] = self.per_worker_applied.get(worker, 0) + 1
-
-    def stale(self, worker: int) -> None:
-        self.stale_dropped += 1
-        self.per_worker_stale[worker] = self.per_worker_stale.get(worker, 0) + 1
 
 
 class Shard:
@@ -239,8 +216,7 @@ class Shard:
             return self.version
 
     def counters(self) -> dict:
-        """This shard's counters as a checkpoint holds them (the dense files the chief writes
-        with update.dense=allreduce carry the clock shard's)."""
+        """Its counters as its checkpoint holds them (update.dense=allreduce: the chief's)."""
         with self.lock:
             return asdict(self.stats)
 

@@ -30,7 +30,8 @@ from psrpc.cluster import comm
 from psrpc.cluster.wire import Reply
 from psrpc.errors import PsrpcError, PushRejected
 from psrpc.optim.schedule import lr_factor
-from psrpc.ps.shard import Shard, ShardSpec, ShardStats
+from psrpc.ps.shard import Shard, ShardSpec
+from psrpc.ps.stats import ShardStats
 from psrpc.sparse.optim import build_sparse_optimizer
 from psrpc.sparse.rows import Partition, TableSpec, init_rows, table_seed
 

@@ -24,7 +24,8 @@ from psrpc.factories import Data, load_data
 from psrpc.faults import build_faults
 from psrpc.models.stages import model_cuts, stage_shapes
 from psrpc.ps import service
-from psrpc.ps.shard import ShardSpec, ShardStats
+from psrpc.ps.shard import ShardSpec
+from psrpc.ps.stats import ShardStats
 from psrpc.ps.tables import TableShardSpec
 from psrpc.sparse.tables import find_tables
 from psrpc.worker.plan import DenseState, Plan
