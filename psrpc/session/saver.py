@@ -123,7 +123,7 @@ class CheckpointSaver(Hook):
 
     def _savers(self, plan) -> list:
         """The shards that write their own files: all, or the tables only (dense on workers)."""
-        self.clock = plan.all_shards[0]
+        self.clock = plan.all_shards[0] if self.replica_dense else None
         return plan.table_shards if self.replica_dense else plan.all_shards + plan.table_shards
 
     def _request(self, step: int) -> list:
