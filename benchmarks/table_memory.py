@@ -46,7 +46,7 @@ def main(argv: list[str]) -> None:
                    f"cluster.num_ps={b.num_ps}", f"cluster.num_workers={b.workers}",
                    f"train.batch_size={b.batch_size}", f"train.steps={b.steps}",
                    f"train.log_every={max(1, b.steps // 4)}", "data.test_samples=4096",
-                   "train.eval_every=0"])
+                   "train.eval_every=0", *b.psrpc])
     stop.set()
     watcher.join()
     table_gb = b.rows * b.dim * 4 / 1e9
@@ -57,7 +57,8 @@ def main(argv: list[str]) -> None:
     notes = (f"{b.rows:,} rows × {b.dim} float32 = {table_gb:.2f} GB in the big table, on "
              f"{b.num_ps} PS; {s['steps']} steps at {s['samples_per_s']} samples/s, test AUC "
              f"{s.get('test_auc')}, {time.perf_counter() - t0:.0f} s in all (table "
-             "initialisation included). Peak: VmHWM of each process.")
+             "initialisation included). Peak: VmHWM of each process. psrpc options: "
+             f"{' '.join(b.psrpc) or 'defaults'}.")
     write_results(ROOT / b.out, meta, rows, ["process", "peak_rss_gb", "table_gb"],
                   f"Memory with a {table_gb:.1f} GB table", notes=notes)
 

@@ -58,8 +58,9 @@ def bootstrap(cfg: Config, topo: Topology, build_model: Callable[[Config, Data],
         log.info("%d embedding table(s), %d rows × %s in all, on %d PS (%s partition, %s)",
                  len(specs), rows, "/".join(str(t.dim) for t in specs), topo.num_ps,
                  cfg.sparse.partition, cfg.sparse.optimizer)
-    log.info("%d parameters in %d shard(s) of %s elements; %d workers%s, update=%s",
+    log.info("%d parameters in %d %s of %s elements; %d workers%s, update=%s",
              sum(p.numel for p in layout.pieces), layout.num_shards,
+             "shard(s)" if dense is None else "bucket(s) on the workers (update.dense=allreduce)",
              "/".join(str(n) for n in layout.shard_numel), topo.num_workers,
              f" ({topo.replicas} replicas × {len(cuts)} stages, cuts {cuts})"
              if len(cuts) > 1 else "", cfg.update.name)
