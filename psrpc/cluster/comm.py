@@ -215,13 +215,23 @@ def registered() -> dict[int, Any]:
     return _LOCAL
 
 
-@async_execution
-def _invoke_local(key: int, method: str, args: tuple) -> Future:
+def _call_local(key: int, method: str, args: tuple) -> Future:
     try:
         obj = _LOCAL[key]
     except KeyError:
         return failed(PsrpcError(f"no object {key} here (it was lost with an earlier process)"))
     return _as_future(getattr(obj, method)(*args))
+
+
+@async_execution
+def _invoke_local(key: int, method: str, args: tuple) -> Future:
+    return _call_local(key, method, args)
+
+
+@async_execution
+def _invoke_local_many(calls: list) -> Future:
+    futures = [_call_local(key, method, args) for key, method, args in calls]
+    return torch.futures.collect_all(futures).then(lambda f: [x.value() for x in f.value()])
 
 
 @async_execution
@@ -247,6 +257,16 @@ def invoke(target, method: str, *args, timeout_s: Optional[float] = None) -> Fut
                              timeout=_t(timeout_s))
     return rpc.rpc_async(target.owner(), _invoke_on_owner, args=(target, method, args),
                          timeout=_t(timeout_s))
+
+
+def invoke_many(calls: list, timeout_s: Optional[float] = None) -> Future:
+    """Several calls `(handle, method, args)` to objects of one owner in one message (a step's
+    pushes to the shards of one PS); a Future of their results in order, or of the first error
+    among them."""
+    owner = calls[0][0].owner
+    assert all(h.owner == owner for h, _, _ in calls), "invoke_many: one owner per message"
+    return rpc.rpc_async(owner, _invoke_local_many,
+                         args=([(h.key, m, a) for h, m, a in calls],), timeout=_t(timeout_s))
 
 
 def owner_name(target) -> str:

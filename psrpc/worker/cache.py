@@ -183,6 +183,10 @@ class RowCache:
         return s, fresh
 
     # -- writes -------------------------------------------------------------------------------
+    def ride(self, k: int, target, method: str, args: tuple):
+        """A call that goes with the next push to server k (RowClient.ride)."""
+        return self.client.ride(k, target, method, args)
+
     def push_async(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
                    versions: list[int], loss: float, samples: int, ticket=None,
                    void: bool = False, ahead=None) -> list:

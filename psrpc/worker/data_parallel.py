@@ -169,19 +169,22 @@ class Worker(Replica):
         for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
         self.flat.flush()
-        tables = []
+        ahead = self._rows_ahead(step, x) if self.rows is not None else None
+        if self.allreduce is not None:  # the clock shard counts the round; a non-finite
+            # average (every worker has the same) is pushed as a non-finite loss: skipped
+            finite = self.allreduce.finish(versions[0])
+            args = (self.index, versions[0], _EMPTY, value if finite else float("nan"),
+                    self.batch, ticket)
+            if self.rows is not None and self.plan.table_shards[0].owner == self.clock.owner:
+                # in the same message as the push to the tables of the clock's PS
+                futures = [self.rows.ride(0, self.clock, "push_pull", args)]
+            else:
+                futures = [self.client.push_one(0, *args[1:])]
         if self.rows is not None:  # every table shard, after backward has reached the tables
             # (void, as the dense shards', when computed across an update of a master copy)
-            tables = self.rows.push_async(table_grads, self.table_versions, value, self.batch,
-                                          ticket, void=not self.flat.intact(),
-                                          ahead=self._rows_ahead(step, x))
-        if self.allreduce is not None:  # (while the tables' pushes are on their way) the
-            # clock shard counts the round; a non-finite average (every worker has the same)
-            # is pushed as a non-finite loss: skipped
-            finite = self.allreduce.finish(versions[0])
-            futures = [self.client.push_one(0, versions[0], _EMPTY, value if finite else
-                                            float("nan"), self.batch, ticket)]
-        return value, futures + tables
+            futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
+                                            ticket, void=not self.flat.intact(), ahead=ahead)
+        return value, futures
 
     def _rows_ahead(self, step: int, x) -> Optional[dict]:
         """Sync: {table: rows} of the next step's batch, for the table shards to send back with

@@ -26,6 +26,7 @@ class RowClient:
         self.partitions = {s.name: Partition(s.num_rows, len(shards), partition) for s in specs}
         self._asked: Optional[tuple] = None  # the rows asked ahead with the last push
         self._ahead: Optional[tuple] = None  # ({table: rows}, {table: values}) they brought
+        self._riders: dict[int, tuple] = {}  # server -> a call to send with its next push
 
     def _split(self, rows: dict[str, torch.Tensor]) -> list[dict[str, tuple]]:
         """Per server: {table: (positions in rows[table], local rows)}."""
@@ -87,18 +88,28 @@ class RowClient:
         split = self._split(ahead) if ahead else None
         self._asked, self._ahead = ((ahead, split) if split else None), None
         futures = []
+        riders, self._riders = self._riders, {}
         for k, parts in enumerate(per):
             payload = (shm.VOID if void else
                        {n: (local, grads[n][1][pos]) for n, (pos, local) in parts.items()})
             args = (self.worker, versions[k], payload, loss, samples, ticket)
             if split is None:
-                futures.append(comm.invoke(self.shards[k], "push_pull", *args,
-                                           timeout_s=self.timeout_s))
+                call = (self.shards[k], "push_pull", args)
             else:
                 asked = {n: local for n, (_, local) in split[k].items()}
-                futures.append(comm.invoke(self.shards[k], "push_pull_rows", *args, asked,
-                                           timeout_s=self.timeout_s))
+                call = (self.shards[k], "push_pull_rows", args + (asked,))
+            if k in riders:
+                futures.append(_carry(riders[k], call, self.timeout_s))
+            else:
+                futures.append(comm.invoke(call[0], call[1], *call[2], timeout_s=self.timeout_s))
         return futures
+
+    def ride(self, k: int, target, method: str, args: tuple) -> torch.futures.Future:
+        """A call to another object of server k's PS (the clock shard) that goes in the same
+        message as the next push to server k; the Future of its result."""
+        rider = torch.futures.Future()
+        self._riders[k] = (target, method, args, rider)
+        return rider
 
     def receive(self, replies: list) -> None:
         """The push's Replies: the rows asked ahead, when every server brought them at one
@@ -125,3 +136,21 @@ class RowClient:
             b += r.numel() * (8 + 4 * self.specs[name].dim)
         setattr(self.stats, f"rows_{what}", getattr(self.stats, f"rows_{what}") + n)
         self.stats.sparse_bytes += b
+
+
+def _carry(rider: tuple, call: tuple, timeout_s) -> torch.futures.Future:
+    """`call` with `rider` in one message: the rider's result completes its own Future; the
+    returned one is `call`'s."""
+    target, method, args, out = rider
+    both = comm.invoke_many([(target, method, args), call], timeout_s)
+
+    def split(f):
+        try:
+            first, second = f.wait()
+        except Exception as e:
+            out.set_exception(e)
+            raise
+        out.set_result(first)
+        return second
+
+    return both.then(split)
