@@ -10,7 +10,8 @@ rows of its batch and pushes their gradients) against its peers, all with the sa
 - psrpc_cache: psrpc with the workers' hot-row cache (`cache.rows` rows per table,
   `cache.staleness` steps); psrpc_allreduce: the dense part replicated on the workers and
   averaged by a gloo all-reduce, only the tables on the PS (`update.dense=allreduce`);
-  psrpc_cache_allreduce: both;
+  psrpc_cache_allreduce: both; psrpc_allreduce_1ps: dense all-reduce with every table on one
+  PS (one process fewer sharing the cores);
 - torchrec: TorchRec's DistributedModelParallel over gloo: the big table sharded row-wise over
   the W ranks, each small one whole on one rank (table-wise), lookups through all-to-alls, the
   tables updated inside backward by FBGEMM's fused kernel; the MLPs in DDP.
@@ -43,7 +44,7 @@ from psrpc.sparse.tables import bag_inputs
 TORCHREC_INSTALL = ("pip install fbgemm-gpu-cpu==1.9.0 tensordict pyre-extensions && "
                     "pip install --no-deps torchrec==1.9.2")  # torchrec names the CUDA fbgemm-gpu
 SYSTEMS = ("single", "psrpc", "psrpc_cache", "psrpc_allreduce", "psrpc_cache_allreduce",
-           "ddp_sparse", "ddp_dense", "torchrec")
+           "psrpc_allreduce_1ps", "ddp_sparse", "ddp_dense", "torchrec")
 RATIOS = ("torchrec", "ddp_sparse", "single")  # psrpc_vs_<system> columns
 
 
@@ -202,8 +203,10 @@ def measure(system: str, ov: list[str], cache) -> float:
         # dense part averaged among the workers, only the tables on the PS
         if "_cache" in system:
             ov = ov + [f"sparse.cache_rows={cache.rows}", f"sparse.cache_staleness={cache.staleness}"]
-        if system.endswith("_allreduce"):
+        if "_allreduce" in system:
             ov = ov + ["update.dense=allreduce"]
+        if system.endswith("_1ps"):  # the tables on one PS: one process fewer on the cores
+            ov = ov + ["cluster.num_ps=1"]
         return run_psrpc(ov)["samples_per_s"]
     cfg = psrpc_config(ov)
     if system == "single":
