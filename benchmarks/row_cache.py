@@ -44,11 +44,12 @@ def main(argv: list[str]) -> None:
     for name, base in datasets.items():
         common = base + [f"cluster.num_workers={b.workers}", f"cluster.num_ps={b.num_ps}"]
         exact = None
-        for s in [0, *b.staleness]:
-            cache = ([f"sparse.cache_rows={b.cache_rows}", f"sparse.cache_staleness={s}"]
-                     if s else [])
+        for s, writes in [(0, None)] + [(s, w) for s in b.staleness for w in b.writes]:
+            cache = ([f"sparse.cache_rows={b.cache_rows}", f"sparse.cache_staleness={s}",
+                      f"sparse.cache_writes={writes}"] if s else [])
             summary = run_psrpc(common + cache)
-            row = {"data": name, "staleness": s, "cache_rows": b.cache_rows if s else 0,
+            row = {"data": name, "staleness": s, "writes": writes or "",
+                   "cache_rows": b.cache_rows if s else 0,
                    "test_auc": round(summary["test_auc"], 4),
                    "cache_hit_rate": summary["cache_hit_rate"],
                    "sparse_bytes_per_step": summary["sparse_bytes_per_step"],
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> None:
                          "test_auc": round(lr, 4)})
             print(rows[-1], flush=True)
     write_results(ROOT / b.out, meta, rows,
-                  ["data", "staleness", "cache_rows", "test_auc", "auc_minus_exact",
+                  ["data", "staleness", "writes", "cache_rows", "test_auc", "auc_minus_exact",
                    "cache_hit_rate", "sparse_bytes_per_step", "bytes_vs_exact",
                    "table_rpcs_per_step", "samples_per_s"],
                   f"Hot-row cache: W={b.workers}, {b.num_ps} PS, {b.cache_rows} rows per table "
@@ -84,9 +85,13 @@ def main(argv: list[str]) -> None:
 def plot(plt, rows):
     fig, (a, c) = plt.subplots(1, 2, figsize=(9, 3.6))
     for name in dict.fromkeys(r["data"] for r in rows):
-        rs = [r for r in rows if r["data"] == name and "bytes_vs_exact" in r]
-        a.plot([r["staleness"] for r in rs], [r["bytes_vs_exact"] for r in rs], "o-", label=name)
-        c.plot([r["staleness"] for r in rs], [r["test_auc"] for r in rs], "o-", label=name)
+        for writes in dict.fromkeys(r["writes"] for r in rows if r.get("writes")):
+            rs = [r for r in rows if r["data"] == name and "bytes_vs_exact" in r
+                  and r["writes"] in ("", writes)]  # the exact run starts every line
+            label = f"{name}, writes={writes}"
+            a.plot([r["staleness"] for r in rs], [r["bytes_vs_exact"] for r in rs], "o-",
+                   label=label)
+            c.plot([r["staleness"] for r in rs], [r["test_auc"] for r in rs], "o-", label=label)
     a.set_xlabel("sparse.cache_staleness")
     a.set_ylabel("embedding bytes per step / exact")
     c.set_xlabel("sparse.cache_staleness")

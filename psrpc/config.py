@@ -166,6 +166,10 @@ class SparseConfig:
     cache_staleness: int = MISSING
     """Hot-row cache: the most steps a cached row's value, or a gradient held for it, may lag
     the PS (0: no cache, every step pulls and pushes every row it touches)."""
+    cache_writes: str = MISSING
+    """Hot-row cache: hold (write-back: a cached row's gradients are summed on the worker and
+    pushed at most cache_staleness steps late) or through (write-through: pushed every step;
+    only reads are cached)."""
 
 
 @dataclass

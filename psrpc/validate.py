@@ -153,10 +153,11 @@ def check_values(cfg: Config) -> None:
     # A worker's row cache hands its held gradients over before each checkpoint step, which it
     # can only know when checkpoints come by steps.
     require(not (cfg.sparse.cache_rows and cfg.sparse.cache_staleness and cfg.checkpoint.dir
-                 and cfg.checkpoint.every_s), "checkpoint.every_s", cfg.checkpoint.every_s,
+                 and cfg.checkpoint.every_s and cfg.sparse.cache_writes == "hold"),
+            "checkpoint.every_s", cfg.checkpoint.every_s,
             "must be 0 with the hot-row cache (sparse.cache_rows and sparse.cache_staleness "
             "> 0): its held gradients go to the PS before each checkpoint step, known only "
-            "with checkpoint.every_steps")
+            "with checkpoint.every_steps (or use sparse.cache_writes=through)")
     _validate_hooks(cfg.hooks)
     _validate_factories(cfg)
 
@@ -204,6 +205,7 @@ def _validate_sparse(sp) -> None:
         value = getattr(sp, key)
         require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 f"sparse.{key}", value, "must be an integer ≥ 0 (0: no hot-row cache)")
+    one_of(("hold", "through"), sp.cache_writes, "sparse.cache_writes")
 
 
 _HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}

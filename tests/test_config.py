@@ -41,6 +41,7 @@ from tests.conftest import compose
     (["sparse.optimizer=adam", "sparse.eps=0"], "sparse.eps=0.0: must be a finite number > 0"),
     (["sparse.optimizer=adam", "sparse.weight_decay=0.01"],
      "sparse.weight_decay=0.01: is not applied by sparse.optimizer=adam"),
+    (["sparse.cache_writes=back"], "sparse.cache_writes='back': must be one of ['hold', 'through']"),
     (["update.dense=nccl"], "update.dense='nccl': must be one of ['ps', 'allreduce']"),
     (["update=async", "update.dense=allreduce"], "update.dense='allreduce': needs update=sync"),
     (["update.dense=allreduce", "cluster.num_workers=3", "update.replicas_to_aggregate=2"],

@@ -44,11 +44,11 @@ class Server:
         pass
 
 
-def _run(staleness, capacity, steps=60, void_at=(), seed=0):
+def _run(staleness, capacity, steps=60, void_at=(), seed=0, hold=True, received=None):
     rnd = random.Random(seed)
     server, stats, clock = Server(), WorkerStats(), [0]
     cache = RowCache(server, SPECS, capacity, staleness, clock=lambda: clock[0],
-                     flush_all=lambda step: step == steps - 1, stats=stats)
+                     flush_all=lambda step: step == steps - 1, stats=stats, hold=hold)
     given = {s.name: torch.zeros(s.num_rows, s.dim) for s in SPECS}
     served, history = [], []
     for step in range(steps):
@@ -68,6 +68,9 @@ def _run(staleness, capacity, steps=60, void_at=(), seed=0):
             for n, (r, g) in grads.items():
                 given[n][r] += g
         cache.push_async(grads, [], 0.0, 1, void=void)
+        if received is not None:  # what the server holds after each step, what it was given
+            received.append(({n: r.clone() for n, r in server.received.items()},
+                             {n: g.clone() for n, g in given.items()}))
     return server, stats, given, served
 
 
@@ -76,6 +79,16 @@ def test_no_gradient_is_lost_and_none_is_pushed_twice(staleness, capacity):
     server, _, given, _ = _run(staleness, capacity, void_at={7, 8, 30})
     for name in given:
         torch.testing.assert_close(server.received[name], given[name], rtol=1e-5, atol=1e-5)
+
+
+def test_write_through_pushes_every_gradient_in_its_own_step_and_still_caches_reads():
+    after = []
+    _, stats, _, _ = _run(staleness=4, capacity=64, hold=False, received=after)
+    for step, (received, given) in enumerate(after):
+        for name in received:
+            torch.testing.assert_close(received[name], given[name], rtol=1e-5, atol=1e-5,
+                                       msg=f"{name}: a gradient held past step {step}")
+    assert stats.cache_hits / stats.cache_lookups > 0.5
 
 
 def test_a_cached_value_is_never_older_than_the_bound():

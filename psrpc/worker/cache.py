@@ -20,6 +20,12 @@ training (evaluation, no autograd) bypass the cache and read the PS. A membershi
 roll back of the PS drops the cache, values and held gradients (this worker's last s steps of
 table gradients are then lost, as a step in flight is); a worker that joins again starts cold.
 
+`sparse.cache_writes=through` caches reads only: every gradient goes to the PS in its own step
+(write-through). Measured on MovieLens 100K, where every row is hot: holding gradients costs
+0.005 AUC even at a bound of one step (row-wise Adagrad sees one summed step instead of
+several), write-through keeps the exact run's AUC; on skewed click logs holding halves the
+bytes at the exact AUC.
+
 `cache_staleness=0` (the default) or `cache_rows=0` bypass the cache altogether: every step
 pulls and pushes every row it touches, bit for bit as without it.
 """
@@ -116,9 +122,11 @@ class RowCache:
     every held gradient (a checkpoint or the end of training comes next)."""
 
     def __init__(self, client, specs: list[TableSpec], capacity: int, staleness: int,
-                 clock: Callable[[], int], flush_all: Callable[[int], bool], stats):
+                 clock: Callable[[], int], flush_all: Callable[[int], bool], stats,
+                 hold: bool = True):
         self.client, self.staleness, self.clock, self.flush_all = client, staleness, clock, \
             flush_all
+        self.hold = hold  # False: write-through, every gradient pushed in its own step
         self.stats = stats
         self.specs = {s.name: s for s in specs}
         self.tables = {s.name: _Table(s, min(capacity, s.num_rows)) for s in specs}
@@ -216,6 +224,9 @@ class RowCache:
             self._step = {}
             return self.client.push_async({}, versions, loss, samples, ticket, void=True,
                                           ahead=ahead)
+        if not self.hold:  # write-through: the cache only serves reads
+            self._step = {}
+            return self.client.push_async(grads, versions, loss, samples, ticket, ahead=ahead)
         everything = self.flush_all(now)
         out = {}
         for name, t in self.tables.items():

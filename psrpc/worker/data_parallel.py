@@ -61,7 +61,7 @@ class Worker(Replica):
             if sp.cache_rows > 0 and sp.cache_staleness > 0:
                 self.rows = RowCache(self.rows, plan.table_specs, sp.cache_rows,
                                      sp.cache_staleness, self._table_clock, self._flush_all,
-                                     self.stats)
+                                     self.stats, hold=sp.cache_writes == "hold")
             for t in self.tables:
                 t.bind(self.rows)
 
