@@ -44,8 +44,12 @@ def test_allreduce_resumed_equals_uninterrupted_into_another_number_of_ps(tmp_pa
     with the tables' files; a restore re-splits them like any checkpoint."""
     mode = ALLREDUCE + ["cluster.num_workers=2", "train.batch_size=32", "optim=adam"]
     ck = tmp_path / "ck"
-    _run(tmp_path / "first", mode + ["cluster.num_ps=2", f"checkpoint.dir={ck}",
-                                     "hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 10}]"])
+    first = _run(tmp_path / "first", mode + [
+        "cluster.num_ps=2", f"checkpoint.dir={ck}",
+        "hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 10}]"])[0]
+    # stopped early: every worker ends at step 10 together (none waits in an all-reduce)
+    assert first["steps"] == 10 and first["workers_lost"] == 0
+    assert first["dense_replicas_identical"] and len(first["workers"]) == 2
     assert (ck / "step-10" / "shard-0.pt").exists() and (ck / "step-10" / "tables-1.pt").exists()
     second = _run(tmp_path / "second", mode + ["cluster.num_ps=3", f"checkpoint.dir={ck}"])
     assert second[0]["restored_from_step"] == 10 and second[0]["steps"] == 20
@@ -58,6 +62,37 @@ def test_allreduce_resumed_equals_uninterrupted_into_another_number_of_ps(tmp_pa
                                       f"checkpoint.dir={tmp_path / 'ck_ps'}"])
     assert third[0]["restored_from_step"] == 10
     _assert_equal(third, ps_w2)
+
+
+def test_a_non_finite_gradient_is_skipped_by_every_replica(tmp_path):
+    """Worker 1's gradient is NaN at step 5 (it waits for its whole gradient first, the other
+    all-reduces bucket by bucket as backward goes): the average is non-finite on every worker,
+    the clock skips the round, no replica applies it."""
+    summary, _ = run_cluster(tmp_path, ALLREDUCE + [
+        "train.steps=30", "cluster.bucket_bytes=65536", "fault.nan_worker=1",
+        "fault.nan_at_step=5"])
+    assert summary["steps"] == 30 and summary["nan_rejected"] >= 1
+    assert summary["workers_lost"] == 0 and summary["dense_replicas_identical"]
+
+
+def test_buckets_are_all_reduced_in_index_order_whatever_order_backward_completes_them():
+    """Collectives pair up by order: a bucket completed early waits for those before it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from psrpc.worker.allreduce import DenseAllReduce
+
+    launched = []
+    ar = DenseAllReduce.__new__(DenseAllReduce)
+    ar.size, ar.flat = 2, SimpleNamespace(grads=[torch.full((2,), float(k)) for k in range(4)])
+    ar.group = lambda: SimpleNamespace(allreduce=lambda ts: launched.append(int(ts[0][0])))
+    ar.abandon()
+    for k in (2, 0, 3):
+        ar.start(k)
+    assert launched == [0]
+    ar.start(1)
+    assert launched == [0, 1, 2, 3]
 
 
 def test_a_killed_worker_rejoins_and_the_replicas_stay_identical(tmp_path):

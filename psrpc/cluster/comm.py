@@ -220,7 +220,10 @@ def _call_local(key: int, method: str, args: tuple) -> Future:
         obj = _LOCAL[key]
     except KeyError:
         return failed(PsrpcError(f"no object {key} here (it was lost with an earlier process)"))
-    return _as_future(getattr(obj, method)(*args))
+    try:
+        return _as_future(getattr(obj, method)(*args))
+    except Exception as e:  # its own Future fails: the other calls of a message still run
+        return failed(e)
 
 
 @async_execution

@@ -137,6 +137,12 @@ def store() -> Any:
     return _STORES["current"]
 
 
+def abortable(abort, limit_s: float) -> dist.Store:
+    """This process's store, whose waits give up once `abort()` says so (a newer membership
+    epoch: the group being formed will never form), or after `limit_s`."""
+    return _AbortableStore(store(), abort, limit_s)
+
+
 def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
                   agent_store: bool = False) -> Any:
     """This process's rendezvous store, before it joins a group (`init` uses the same one):

@@ -152,7 +152,9 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
     for g, k in enumerate(layout.shard_ps):  # shard g lives on ps{k}
         name = f"ps{k}/shard{g}" + (f"/stage{stage_of[g]}" if len(layouts) > 1 else "")
         spec = ShardSpec(g, flats[g], cfg.optim, cfg.update, topo.replicas, cfg.train.steps,
-                         version, states[g], cfg.checkpoint.dir, cfg.checkpoint.every_steps,
+                         version, states[g],
+                         None if layouts == [CLOCK] else cfg.checkpoint.dir,  # (the chief's)
+                         cfg.checkpoint.every_steps,
                          build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
                          stats[g], name, shared[g] if shared else None)
         specs.append((topo.ps_names[k], spec))

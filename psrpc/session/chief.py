@@ -142,6 +142,8 @@ class Chief:
             if dense is not None:  # every worker takes the chief's replica, at the target
                 dense.catch_up(target)
                 plan = replace(plan, dense=dense.state())
+                if self.saver is not None:  # a checkpoint step the catch-up reached
+                    self.saver.capture(target)
         else:
             plan, rolled_back = self._roll_back(epoch, who)
         self.plan = plan
@@ -217,7 +219,9 @@ class Chief:
         ends = [target] + comm.wait_all([comm.invoke(r, "freeze", target) for r in shards[1:]])
         log.warning("stopping at step %d (asked to stop)%s", target,
                     "" if len(set(ends)) == 1 else f"; shards stop at {ends}")
-        return exact and step >= target
+        # With dense all-reduce the others are already in the next step's all-reduce: the chief
+        # takes part in it too, and the frozen shards answer everyone 'finished'.
+        return exact and step >= target and self.cfg.update.dense != "allreduce"
 
     def run(self) -> dict:
         t_start = time.perf_counter()

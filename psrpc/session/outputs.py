@@ -128,7 +128,7 @@ def _dense_replicas(cfg, workers: dict) -> dict:
     replica (the hash of its parameters)."""
     if cfg.update.dense != "allreduce":
         return {"dense": "ps"}
-    digests = {w.get("dense_digest") for w in workers.values()}
+    digests = {w["dense_digest"] for w in workers.values() if w.get("dense_digest")}
     return {"dense": "allreduce", "dense_replicas_identical": len(digests) == 1}
 
 

@@ -129,6 +129,10 @@ class CheckpointSaver(Hook):
     def _request(self, step: int) -> list:
         return [comm.invoke(r, "request_save", step) for r in self.shards]
 
+    def capture(self, step: int) -> None:
+        """The chief's replica is at `step` outside a step (a membership epoch caught it up)."""
+        self._capture(step)
+
     def _capture(self, step: int) -> None:
         """Buffers for every asked step the chief has reached (one copy shared by all). Runs
         on the training thread only, as everything that touches `_buffers` does."""

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from psrpc.cluster import membership
+from psrpc.cluster import comm, membership
 from psrpc.cluster import store as store_mod
 from psrpc.optim import build_optimizer, count_step, lr_factor
 from psrpc.worker.flat import FlatModel
@@ -45,12 +46,16 @@ class DenseAllReduce:
     def __init__(self, cfg, rank: int, size: int, flat: FlatModel, state: DenseState):
         self.flat, self.rank, self.size = flat, rank, size
         self.optim_cfg, self.total_steps = cfg.optim, cfg.train.steps
-        self.timeout = timedelta(seconds=cfg.update.timeout_s)
+        # a peer that died ends the wait at once (its sockets close); this bounds the rest,
+        # a chief busy evaluating included, as long as an RPC to the PS may take
+        self.timeout = timedelta(seconds=comm.rpc_timeout_s(cfg))
         self.optimizers = [build_optimizer([p], cfg.optim) for p in flat.params]
         self.base_lr = [[g["lr"] for g in o.param_groups] for o in self.optimizers]
         self._group = None
         self._group_key: Optional[str] = None
         self._works: list = []
+        self._ready: set[int] = set()  # buffers whose gradient is complete, not yet launched
+        self._next = 0  # the next buffer to all-reduce: every worker launches them in order
         self.pending: Optional[int] = None  # the step whose averaged gradient awaits the clock
         self.load(state)
 
@@ -103,7 +108,11 @@ class DenseAllReduce:
         """This epoch's process group over the W workers (formed on first use)."""
         key = membership.group_prefix("dense")
         if self._group is None or self._group_key != key:
-            prefix = dist.PrefixStore(key, store_mod.store())
+            if self._group is not None:
+                _retire(self._group)
+            # forming gives up as soon as a newer epoch is announced (a member will not come)
+            prefix = dist.PrefixStore(key, store_mod.abortable(membership.changing,
+                                                               self.timeout.total_seconds()))
             self._group = _make_group(prefix, self.rank, self.size, self.timeout,
                                       self.flat.device)
             _GROUPS.append(self._group)
@@ -111,14 +120,24 @@ class DenseAllReduce:
         return self._group
 
     def start(self, k: int) -> None:
-        """Buffer k's gradient is complete: its all-reduce starts (backward goes on)."""
-        if self.size > 1:
-            self._works.append(self.group().allreduce([self.flat.grads[k]]))
+        """Buffer k's gradient is complete: its all-reduce starts (backward goes on) once
+        every buffer before it has started: collectives must pair up in the same order on
+        every worker, whatever order backward completes them in (unused parameters, a worker
+        that waits for its whole gradient first)."""
+        if self.size == 1:
+            return
+        self._ready.add(k)
+        while self._next in self._ready:
+            self._ready.discard(self._next)
+            self._works.append(self.group().allreduce([self.flat.grads[self._next]]))
+            self._next += 1
 
     def finish(self, version: int) -> bool:
         """Wait for every all-reduce; average. Returns whether the average is finite (a
         non-finite one is skipped by every worker alike)."""
-        works, self._works = self._works, []
+        for k in range(self._next, len(self.flat.grads)):  # (every buffer was started)
+            self.start(k)
+        works, self._works, self._next = self._works, [], 0
         for w in works:
             w.wait()
         finite = True
@@ -130,13 +149,16 @@ class DenseAllReduce:
         return finite
 
     def abandon(self) -> None:
-        """The step failed before its reply (a membership change): drop unfinished work."""
-        self._works = []
+        """Before a step: drop what a failed one left (a membership change)."""
+        self._works, self._ready, self._next = [], set(), 0
 
-    def settle(self, accepted: bool) -> None:
-        """The clock's reply for the pending step: apply it if its round was applied."""
-        if self.pending is not None and accepted:
+    def settle(self, version: int) -> None:
+        """The clock's reply for the pending step says it is at `version`: once its round has
+        closed, with or without this worker's push, every worker applies the average it
+        took part in (a non-finite one is skipped by all: the step passes with no update)."""
+        if self.pending is not None and version > self.pending:
             self.apply(self.pending)
+        self.version = max(self.version, version)
         self.pending = None
 
     def apply(self, step: int) -> None:
@@ -159,9 +181,25 @@ class DenseAllReduce:
 
 def _make_group(store, rank: int, size: int, timeout: timedelta, device: torch.device):
     """gloo (CPU) or NCCL (CUDA) over `store`, made directly: the RPC agent is this process's
-    default group, and a process group per membership epoch is needed."""
+    default group, and a process group per membership epoch is needed. NCCL in blocking-wait
+    mode: a collective a dead peer never completes raises in `wait` after the timeout (the
+    membership change follows), instead of hanging the stream and aborting the process."""
     if device.type == "cuda":
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _retire(group) -> None:
+    """A gone epoch's group: NCCL's is aborted (its communicators would otherwise hold a
+    collective a dead peer never joins); gloo's is kept (destroying one whose peer died can
+    block)."""
+    abort = getattr(group, "abort", None) if isinstance(group, getattr(
+        dist, "ProcessGroupNCCL", ())) else None
+    if abort is not None:
+        try:
+            abort()
+        except Exception as e:  # the group is gone either way
+            log.warning("aborting the old all-reduce group failed: %s", e)

@@ -107,7 +107,7 @@ class Worker(Replica):
                 self.flat.load(k, reply.params)
             replies.append(reply)
         if self.allreduce is not None:
-            self.allreduce.settle(replies[0].accepted)
+            self.allreduce.settle(replies[0].version)
         if self.rows is not None:
             tables = comm.wait_all(futures[dense:])
             self.rows.receive(tables)
