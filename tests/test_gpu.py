@@ -38,6 +38,8 @@ CASES = {
                             "train.batch_size=8", "train.log_every=5", "optim.lr=0.01"],
                            LOOSE_TOL),
     "async": (["update=async", "cluster.num_workers=1", "model=cnn"], F32_TOL),  # W=1: ordered
+    # the dense part on the workers, all-reduced (NCCL with a GPU each, else gloo on CUDA)
+    "dense_allreduce": (["model=cnn", "update.dense=allreduce"], F32_TOL),
 }
 NAN_CASE = ["model=cnn", "cluster.num_workers=2", "fault.nan_worker=1", "fault.nan_at_step=5"]
 

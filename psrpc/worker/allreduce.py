@@ -16,9 +16,11 @@ shards were lined up at: the gradient of a round the clock closed but whose repl
 applied (every worker averaged it), a step passed without an update is counted (Adam's bias
 correction, as on a PS). A PS rolled back hands out the checkpoint's dense state instead.
 
-The process group is gloo over TCP on CPU, NCCL on CUDA, formed through the run's store under a
-prefix of the epoch, with update.timeout_s as its timeout: a worker that dies mid all-reduce
-ends its peers' wait with an error, then a new epoch.
+The process group is NCCL for CUDA workers with a GPU each, gloo over TCP otherwise (CPU
+workers, or CUDA workers sharing a GPU), formed through the run's store under a prefix of the
+epoch (giving up when a newer epoch is announced), with the RPC timeout as its timeout: a worker
+that dies mid all-reduce ends its peers' wait with an error (its sockets close), then a new
+epoch.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ _GROUPS: list = []  # every group made, kept: destroying one a dead peer left ca
 
 
 class DenseAllReduce:
-    def __init__(self, cfg, rank: int, size: int, flat: FlatModel, state: DenseState):
-        self.flat, self.rank, self.size = flat, rank, size
+    def __init__(self, cfg, rank: int, size: int, flat: FlatModel, state: DenseState,
+                 nccl: bool = False):
+        self.flat, self.rank, self.size, self.nccl = flat, rank, size, nccl
         self.optim_cfg, self.total_steps = cfg.optim, cfg.train.steps
         # a peer that died ends the wait at once (its sockets close); this bounds the rest,
         # a chief busy evaluating included, as long as an RPC to the PS may take
@@ -113,8 +116,7 @@ class DenseAllReduce:
             # forming gives up as soon as a newer epoch is announced (a member will not come)
             prefix = dist.PrefixStore(key, store_mod.abortable(membership.changing,
                                                                self.timeout.total_seconds()))
-            self._group = _make_group(prefix, self.rank, self.size, self.timeout,
-                                      self.flat.device)
+            self._group = _make_group(prefix, self.rank, self.size, self.timeout, self.nccl)
             _GROUPS.append(self._group)
             self._group_key = key
         return self._group
@@ -179,12 +181,14 @@ class DenseAllReduce:
         self.version = step + 1
 
 
-def _make_group(store, rank: int, size: int, timeout: timedelta, device: torch.device):
-    """gloo (CPU) or NCCL (CUDA) over `store`, made directly: the RPC agent is this process's
-    default group, and a process group per membership epoch is needed. NCCL in blocking-wait
-    mode: a collective a dead peer never completes raises in `wait` after the timeout (the
-    membership change follows), instead of hanging the stream and aborting the process."""
-    if device.type == "cuda":
+def _make_group(store, rank: int, size: int, timeout: timedelta, nccl: bool):
+    """NCCL (CUDA workers, a GPU each) or gloo (CPU workers, or CUDA workers sharing a GPU,
+    which NCCL refuses: gloo all-reduces CUDA tensors too) over `store`, made directly: the
+    RPC agent is this process's default group, and a process group per membership epoch is
+    needed. NCCL in blocking-wait mode: a collective a dead peer never completes raises in
+    `wait` after the timeout (the membership change follows), instead of hanging the stream
+    and aborting the process."""
+    if nccl:
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -49,8 +49,11 @@ class Worker(Replica):
                               WIRE_DTYPES[cfg.update.wire_dtype], plan.shm_for(0, self.index))
         self.client = ShardClient(plan.shards[0], self.index)
         # update.dense=allreduce: the dense replica is this worker's, averaged among the workers
-        self.allreduce = (DenseAllReduce(cfg, self.index, topo.replicas, self.flat, plan.dense)
-                          if plan.dense is not None else None)
+        self.allreduce = (DenseAllReduce(
+            cfg, self.index, topo.replicas, self.flat, plan.dense,
+            nccl=self.device.type == "cuda"
+            and topo.workers_on_this_node <= torch.cuda.device_count())
+            if plan.dense is not None else None)
         # Embedding tables live on the PS: the model's look their rows up there.
         self.tables = find_tables(self.model)
         self.table_versions: list[int] = []
