@@ -198,9 +198,10 @@ def torchrec(cfg) -> dict:
     return run_ranks(_torchrec_rank, world, cfg, threads)
 
 
-def measure(system: str, ov: list[str], cache) -> float:
+def measure(system: str, ov: list[str], cache, psrpc_ov=()) -> float:
     if system.startswith("psrpc"):  # _cache: the workers' hot-row cache on; _allreduce: the
         # dense part averaged among the workers, only the tables on the PS
+        ov = ov + list(psrpc_ov)
         if "_cache" in system:
             ov = ov + [f"sparse.cache_rows={cache.rows}", f"sparse.cache_staleness={cache.staleness}"]
         if "_allreduce" in system:
@@ -239,7 +240,8 @@ def main(argv: list[str]) -> None:
             for system in systems:
                 t0 = time.perf_counter()
                 runs[system].append(measure(system, overrides(
-                    b, n, b.dense_steps if system == "ddp_dense" else b.steps), b.cache))
+                    b, n, b.dense_steps if system == "ddp_dense" else b.steps), b.cache,
+                    b.psrpc))
                 run_s[system].append(time.perf_counter() - t0)
                 print(f"rows={n} {system:10s} {runs[system][-1]:9.1f} samples/s "
                       f"({run_s[system][-1]:.1f} s)", flush=True)
