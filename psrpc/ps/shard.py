@@ -28,7 +28,7 @@ from psrpc.cluster import comm, shm
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
-from psrpc.optim.dense import build_optimizer, count_step
+from psrpc.optim.dense import build_optimizer, count_step, step_scaled
 from psrpc.optim.schedule import lr_factor
 from psrpc.ps.snapshots import ShardSnapshots
 from psrpc.ps.stats import ShardStats
@@ -268,18 +268,10 @@ class Shard:
         """One optimizer step on the master copy with this (already averaged) gradient, at the
         learning rate the schedule gives this step (times `lr_scale`: staleness_lr). The caller
         counts the push and then calls `advance()`."""
-        # The optimizer reads .grad: point it at the gradient instead of copying 4 bytes/param.
-        self.params.grad = grad if grad.dtype == torch.float32 else grad.float()
         scale = lr_scale * lr_factor(self.version, self.optim_cfg, self.total_steps)
-        try:
-            for g, lr in zip(self.optimizer.param_groups, self.base_lr):
-                g["lr"] = lr * scale
-            with torch.no_grad(), shm.writing(self.seq):
-                self.optimizer.step()
-        finally:
-            self.params.grad = None
-            for g, lr in zip(self.optimizer.param_groups, self.base_lr):
-                g["lr"] = lr
+        with shm.writing(self.seq):
+            step_scaled(self.optimizer, self.params,
+                        grad if grad.dtype == torch.float32 else grad.float(), self.base_lr, scale)
 
     def count_step(self) -> None:  # catch_up: a step the others applied passes here
         count_step(self.optimizer)

@@ -23,7 +23,7 @@ def gather(plan, worker) -> dict:
     from the chief's replica (its stages, in model parallel); CPU tensors."""
     dense = getattr(worker, "allreduce", None)
     if dense is not None:  # update.dense=allreduce: the chief's replica holds them
-        flats = dense.state().flats
+        flats = dense.params()
     else:
         flats = [f[1] for f in comm.wait_all([comm.invoke(r, "pull_full")
                                                for r in plan.all_shards])]

@@ -179,7 +179,7 @@ class Partition:
         """One (positions, local_rows) pair per server: `ids[positions]` are the rows server k
         holds (positions ascending), at local rows `local_rows`."""
         if self.num_ps == 1:  # every row on the one server, at its own index
-            server, local = self.owner(ids)  # (the check)
+            _, local = self.owner(ids)  # (the check)
             return [(torch.arange(ids.numel()), local)]
         server, local = self.owner(ids)
         order = torch.argsort(server, stable=True)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from psrpc.cluster import comm, membership
 from psrpc.cluster import store as store_mod
-from psrpc.optim import build_optimizer, count_step, lr_factor
+from psrpc.optim import build_optimizer, count_step, lr_factor, step_scaled
 from psrpc.worker.flat import FlatModel
 from psrpc.worker.plan import DenseState
 
@@ -74,9 +74,13 @@ class DenseAllReduce:
             opt.load_state_dict(loaded)  # casts and places it; {} clears it
         self.version, self.pending = state.version, None
 
+    def params(self) -> list[torch.Tensor]:
+        """CPU copies of the replica's flat parameters (model.pt, an evaluation)."""
+        return [p.detach().to("cpu", copy=True) for p in self.flat.params]
+
     def state(self) -> DenseState:
-        """A CPU copy of this replica's dense state (for a checkpoint, a new epoch, model.pt)."""
-        flats = [p.detach().to("cpu", copy=True) for p in self.flat.params]
+        """A CPU copy of this replica's dense state (for a checkpoint, a new epoch)."""
+        flats = self.params()
         states = []
         for opt in self.optimizers:
             st = opt.state_dict()["state"].get(0, {})
@@ -168,16 +172,7 @@ class DenseAllReduce:
         scale = lr_factor(step, self.optim_cfg, self.total_steps)
         for p, g, opt, base in zip(self.flat.params, self.flat.grads, self.optimizers,
                                    self.base_lr):
-            p.grad = g
-            try:
-                for group, lr in zip(opt.param_groups, base):
-                    group["lr"] = lr * scale
-                with torch.no_grad():
-                    opt.step()
-            finally:
-                p.grad = None
-                for group, lr in zip(opt.param_groups, base):
-                    group["lr"] = lr
+            step_scaled(opt, p, g, base, scale)
         self.version = step + 1
 
 
