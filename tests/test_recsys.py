@@ -131,6 +131,96 @@ def test_clicks_errors():
         clicks(10, 0, [5])["train"][10]
 
 
+RAW = dict(num_dense=2, raw_ids=True, distinct_ids=1000, seed=1)
+
+
+def _ids(ds, lo: int, hi: int, feature: str = "cat_0") -> torch.Tensor:
+    return ds.batch(torch.arange(lo, hi))[0][feature]
+
+
+def test_clicks_raw_ids_are_40_bit_deterministic_and_hashed_by_the_model():
+    from psrpc.recsys.dlrm import make_dlrm
+
+    a, b = (clicks(3000, 500, [1, 1, 1], drift=0.1, **RAW) for _ in range(2))
+    assert a["tables"] == [{"name": f"cat_{k}", "num_rows": 1000, "hash_size": 1000}
+                           for k in range(3)]
+    for part in ("train", "test"):
+        idx = torch.arange(len(a[part]))
+        (xa, ya), (xb, yb) = a[part].batch(idx), b[part].batch(idx)
+        assert torch.equal(ya, yb) and all(torch.equal(xa[k], xb[k]) for k in xa)
+        for k in range(3):
+            ids = xa[f"cat_{k}"]
+            assert ids.dtype == torch.int64 and int(ids.min()) >= 0 and int(ids.max()) < 2 ** 40
+        assert int(xa["cat_0"].max()) >= 2 ** 32  # raw ids, not rows
+    assert not torch.equal(xa["cat_0"], xa["cat_1"])  # each feature its own catalogue
+    model = make_dlrm(2, a["tables"], bottom=[8], top=[8], dim=8)
+    assert model(a["train"].batch(torch.arange(64))[0]).shape == (64,)
+    y = a["train"].batch(torch.arange(3000))[1]
+    assert roc_auc(a["train"].logits(torch.arange(3000)), y) > 0.75  # still learnable
+    # the old mode is untouched by the new defaults
+    assert torch.equal(_ids(clicks(100, 0, [50], raw_ids=False, distinct_ids=7)["train"], 0, 100),
+                       _ids(clicks(100, 0, [50])["train"], 0, 100))
+
+
+def _head(ids: torch.Tensor, n: int = 10) -> set:
+    """The n most frequent ids."""
+    values, counts = torch.unique(ids, return_counts=True)
+    return set(values[counts.argsort(descending=True, stable=True)[:n]].tolist())
+
+
+def test_clicks_drift_brings_new_ids_over_time():
+    head = {}
+    for drift in (0.0, 1.0):
+        train = clicks(60_000, 0, [1], drift=drift, **RAW)["train"]
+        early, late = _ids(train, 0, 2000), _ids(train, 50_000, 52_000)
+        shared = len(set(early.tolist()) & set(late.tolist()))
+        head[drift] = [_head(early, 3), _head(late, 10)]
+        if drift:
+            assert shared == 0, shared  # the catalogue has moved on by 50,000 items
+        else:
+            assert shared > 200, shared
+    assert head[0.0][0] <= head[0.0][1]  # a fixed catalogue: the same head ids
+    assert not head[1.0][0] & head[1.0][1]
+
+
+def test_clicks_raw_test_split_is_the_catalogue_at_the_end_of_training():
+    n = 50_000
+    data = clicks(n, 2000, [1], drift=0.05, **RAW)
+    test = _ids(data["test"], 0, 2000).tolist()
+    last = set(_ids(data["train"], n - 2000, n).tolist())
+    first = set(_ids(data["train"], 0, 2000).tolist())
+    assert sum(i in last for i in test) > 0.6 * len(test)
+    assert not any(i in first for i in test)
+    # the test split's time is num_samples: it moves with the training length (not with drift 0)
+    for drift, moves in ((0.05, True), (0.0, False)):
+        a, b = (_ids(clicks(m, 500, [1], drift=drift, **RAW)["test"], 0, 500)
+                for m in (n, 2 * n))
+        assert torch.equal(a, b) != moves
+
+
+def test_clicks_raw_id_errors():
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match=r"data.distinct_ids=.*integer >= 1"):
+            clicks(10, 0, [1], raw_ids=True, distinct_ids=bad)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"data.drift=.*>= 0"):
+            clicks(10, 0, [1], raw_ids=True, drift=bad)
+    with pytest.raises(ValueError, match=r"data.drift=0.5: drift needs data.raw_ids=true"):
+        clicks(10, 0, [1], drift=0.5)
+
+
+def test_hidden_auc_in_chunks_equals_the_whole_split():
+    from psrpc.session.outputs import hidden_auc
+
+    test = clicks(10, 3000, [100, 5000], num_dense=3, seed=1)["test"]
+    idx = torch.arange(3000)
+    whole = roc_auc(test.logits(idx).float(), test.batch(idx)[1])
+    assert hidden_auc(test, chunk=700) == hidden_auc(test) == {"hidden_auc": round(whole, 6)}
+    assert 0.5 < whole < 1
+    assert hidden_auc(None) == {"hidden_auc": None}
+    assert hidden_auc(torch.utils.data.TensorDataset(torch.zeros(3))) == {"hidden_auc": None}
+
+
 def write_criteo(path: Path, n: int = 40) -> list[list[str]]:
     g = torch.Generator().manual_seed(0)
     lines = []
