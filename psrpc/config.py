@@ -170,6 +170,20 @@ class SparseConfig:
     """Hot-row cache: hold (write-back: a cached row's gradients are summed on the worker and
     pushed at most cache_staleness steps late) or through (write-through: pushed every step;
     only reads are cached)."""
+    dynamic: bool = MISSING
+    """Every table dynamic: raw int64 ids, a row per id made on first training (as
+    TableSpec(dynamic=True) does for one table)."""
+    hash_size: Optional[int] = MISSING
+    """Every table hashed: raw ids folded into this many rows (null: as the model says)."""
+    admit_after: int = MISSING
+    """Dynamic tables: an id gets a row once seen this many times (1: at once)."""
+    evict: str = MISSING
+    """Dynamic tables: none, ttl (ids not trained on for ttl_steps steps) or lfu (at most
+    max_rows rows per table, the least often seen dropped)."""
+    ttl_steps: int = MISSING
+    """Dynamic tables, evict=ttl: steps without training after which an id is dropped."""
+    max_rows: Optional[int] = MISSING
+    """Dynamic tables, evict=lfu: the most rows a table keeps (over all PS)."""
 
 
 @dataclass

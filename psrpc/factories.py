@@ -110,11 +110,13 @@ def load_data(cfg) -> Data:
 def build_model(cfg, data: Data, remote_tables: bool = True) -> torch.nn.Module:
     """The model; its embedding tables (psrpc.sparse.EmbeddingTables) hold no rows unless
     `remote_tables` is False (a peer outside psrpc): psrpc keeps them on the PS."""
-    if remote_tables:
-        with tables.remote_tables():
+    sp = cfg.sparse
+    with tables.table_options(sp.dynamic, sp.hash_size):  # every table, if the config says
+        if remote_tables:
+            with tables.remote_tables():
+                model = instantiate("model", cfg.model, data.info)
+        else:
             model = instantiate("model", cfg.model, data.info)
-    else:
-        model = instantiate("model", cfg.model, data.info)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model._target_={cfg.model['_target_']!r} returned a "
                           f"{type(model).__name__}, not a torch.nn.Module")

@@ -206,6 +206,24 @@ def _validate_sparse(sp) -> None:
         require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 f"sparse.{key}", value, "must be an integer ≥ 0 (0: no hot-row cache)")
     one_of(("hold", "through"), sp.cache_writes, "sparse.cache_writes")
+    _validate_dynamic(sp)
+
+
+def _validate_dynamic(sp) -> None:
+    for key in ("hash_size", "max_rows"):
+        value = getattr(sp, key)
+        require(value is None or (isinstance(value, int) and value >= 1), f"sparse.{key}",
+                value, "must be an integer ≥ 1, or null")
+    require(not (sp.dynamic and sp.hash_size), "sparse.hash_size", sp.hash_size,
+            "must be null with sparse.dynamic=true (a dynamic table keeps every raw id: "
+            "nothing is hashed)")
+    require(isinstance(sp.admit_after, int) and sp.admit_after >= 1, "sparse.admit_after",
+            sp.admit_after, "must be an integer ≥ 1 (1: an id gets a row the first time)")
+    one_of(("none", "ttl", "lfu"), sp.evict, "sparse.evict")
+    require(sp.evict != "ttl" or (isinstance(sp.ttl_steps, int) and sp.ttl_steps >= 1),
+            "sparse.ttl_steps", sp.ttl_steps, "must be an integer ≥ 1 with sparse.evict=ttl")
+    require(sp.evict != "lfu" or sp.max_rows, "sparse.max_rows", sp.max_rows,
+            "must be set (rows per table, over all PS) with sparse.evict=lfu")
 
 
 _HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}
@@ -293,6 +311,11 @@ def check_run(cfg) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(f"model._target_={cfg.model['_target_']!r}: embedding table names "
                           f"must be unique across the model, got {names}")
+    dynamic = [s.name for t in tables for s in t.specs if s.dynamic]
+    if dynamic and cfg.sparse.cache_rows and cfg.sparse.cache_staleness:
+        raise ConfigError(f"sparse.cache_rows={cfg.sparse.cache_rows}: the hot-row cache "
+                          f"serves fixed tables only, and tables {dynamic} are dynamic; set "
+                          "sparse.cache_rows=0 (or sparse.dynamic=false)")
     if tables and cfg.parallel.name == "model":
         raise ConfigError("parallel=model with embedding tables: tables live on the PS and are "
                           "looked up by data-parallel workers; use parallel=data")

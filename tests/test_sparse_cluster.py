@@ -37,6 +37,8 @@ def test_sync_w2_equals_w1_with_twice_the_batch_tables_included(tmp_path, refere
     assert w2[0]["samples"] == reference[0]["samples"] == 20 * 64
     _assert_equal(w2, reference, exact=False)
     assert 0 < w2[0]["test_auc"] < 1 and w2[0]["test_logloss"] > 0
+    assert w2[0]["test_auc"] < w2[0]["hidden_auc"] < 1  # the hidden model: the ceiling
+    assert w2[0]["hidden_auc"] > 0.5
     # model.pt and the tables' files load into the model the config builds, outside psrpc
     from psrpc import factories
     from psrpc.sparse import load_model

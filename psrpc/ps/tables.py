@@ -19,10 +19,12 @@ the result must not depend on how rows are spread over servers).
 from __future__ import annotations
 
 import logging
+import resource
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import torch
 
 from psrpc.checkpoint import write_atomic
@@ -32,8 +34,9 @@ from psrpc.errors import PsrpcError, PushRejected
 from psrpc.optim.schedule import lr_factor
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.stats import ShardStats
+from psrpc.sparse.dynamic import DynamicTable
 from psrpc.sparse.optim import build_sparse_optimizer
-from psrpc.sparse.rows import Partition, TableSpec, init_rows, table_seed
+from psrpc.sparse.rows import HashPartition, Partition, TableSpec, init_rows, table_seed
 
 log = logging.getLogger(__name__)
 _EMPTY = torch.empty(0)
@@ -77,10 +80,15 @@ class TableShard(Shard):
         self.params = _EMPTY  # no dense master copy
         self.specs: dict[str, TableSpec] = {t.name: t for t in spec.tables}
         self.partitions = {n: Partition(t.num_rows, spec.num_ps, spec.sparse.partition)
-                           for n, t in self.specs.items()}
+                           for n, t in self.specs.items() if not t.dynamic}
+        self.hashed = HashPartition(spec.num_ps)  # the dynamic tables' ids
         self.weights: dict[str, torch.Tensor] = {}
         self.row_optim = {}
+        self.dynamic: dict[str, DynamicTable] = {n: dynamic_table(t, spec) for n, t in
+                                                 self.specs.items() if t.dynamic}
         for name, t in self.specs.items():
+            if t.dynamic:
+                continue
             rows = self.partitions[name].global_rows(self.ps)
             self.weights[name] = init_rows(rows, t.dim, table_seed(spec.seed, name),
                                            t.init_scale)
@@ -92,7 +100,14 @@ class TableShard(Shard):
 
     @property
     def numel(self) -> int:
-        return sum(w.numel() for w in self.weights.values())
+        return (sum(w.numel() for w in self.weights.values())
+                + sum(t.rows_live * t.dim for t in self.dynamic.values()))
+
+    def _values(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of the rows' values (a dynamic table's ids with no row: initial values)."""
+        if name in self.dynamic:
+            return self.dynamic[name].lookup(rows)
+        return self.weights[name].index_select(0, rows)
 
     # -- the verbs ---------------------------------------------------------------------------------
     def pull_rows(self, requests: dict) -> dict:
@@ -102,7 +117,7 @@ class TableShard(Shard):
         with self.lock:
             for name, rows in requests.items():
                 self._check_rows(name, rows, "pulled")
-                out[name] = self.weights[name].index_select(0, rows)
+                out[name] = self._values(name, rows)
         return out
 
     @comm.async_execution
@@ -128,8 +143,7 @@ class TableShard(Shard):
         with self.lock:
             if self.version != reply.version:
                 return reply
-            return replace(reply, rows={n: self.weights[n].index_select(0, r)
-                                        for n, r in ahead.items()})
+            return replace(reply, rows={n: self._values(n, r) for n, r in ahead.items()})
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
         with self.lock:
@@ -146,6 +160,10 @@ class TableShard(Shard):
                  "tables": {n: {"rows": self.partitions[n].global_rows(self.ps), "weight": w,
                                 "num_rows": self.specs[n].num_rows}
                             for n, w in self.weights.items()}}
+        for n, t in self.dynamic.items():  # rows by raw id, and how to make the others
+            state["tables"][n] = {**t.export(), "dynamic": True, "num_rows": t.spec.num_rows,
+                                  "seed": t.seed, "init_scale": t.spec.init_scale,
+                                  "pooling": t.spec.pooling}
         folder = Path(out_dir) / "tables"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"ps{self.ps}.pt"
@@ -158,11 +176,18 @@ class TableShard(Shard):
             raise PushRejected(f"{self.name}: worker{worker} pushed a {type(payload).__name__}, "
                                "expected {table: (rows, gradients)}")
         for name, item in payload.items():
-            if not (isinstance(item, tuple) and len(item) == 2):
+            if name not in self.specs:
+                raise PushRejected(f"{self.name}: worker{worker} pushed rows of unknown table "
+                                   f"{name!r} (tables: {sorted(self.specs)})")
+            size = 3 if name in self.dynamic else 2
+            if not (isinstance(item, tuple) and len(item) == size):
+                what = "(ids, gradients, counts)" if size == 3 else "(rows, gradients) pair"
                 raise PushRejected(f"{self.name}: worker{worker} pushed {name!r}: expected a "
-                                   "(rows, gradients) pair")
-            rows, grads = item
+                                   f"{what}")
+            rows, grads = item[:2]
             self._check_rows(name, rows, "pushed", worker)
+            if size == 3:
+                _check_counts(self.name, worker, name, rows, item[2])
             dim = self.specs[name].dim
             if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 \
                     or grads.shape != (rows.numel(), dim) or grads.device.type != "cpu" \
@@ -180,17 +205,23 @@ class TableShard(Shard):
         if name not in self.specs:
             raise PushRejected(f"{self.name}: {who}{what} rows of unknown table {name!r} "
                                f"(tables: {sorted(self.specs)})")
-        held = self.weights[name].shape[0]
         if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
             raise PushRejected(f"{self.name}: {who}{what} rows of {name!r} as "
                                f"{type(rows).__name__}; expected a 1-D int64 tensor")
+        if name in self.dynamic:
+            if rows.numel() and not bool((self.hashed.owner(rows)[0] == self.ps).all()):
+                raise PushRejected(f"{self.name}: {who}{what} ids of {name!r} that this server "
+                                   f"(ps{self.ps} of {self.num_ps}) does not own: ids go to "
+                                   "server hash(id) % num_ps")
+            return
+        held = self.weights[name].shape[0]
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= held):
             raise PushRejected(f"{self.name}: {who}{what} rows [{int(rows.min())}, "
                                f"{int(rows.max())}] of {name!r}; this server holds local rows "
                                f"[0, {held})")
 
     def _finite(self, payload: dict) -> bool:
-        return all(bool(torch.isfinite(g.sum())) for _, g in payload.values())
+        return all(bool(torch.isfinite(item[1].sum())) for item in payload.values())
 
     def average(self, payloads: list[dict]) -> dict:
         """A sync round's row gradients: every gradient's rows in worker order, duplicates
@@ -200,12 +231,15 @@ class TableShard(Shard):
             parts = [p[name] for p in payloads if name in p]
             if not parts:
                 continue
-            rows = torch.cat([r for r, _ in parts])
-            grads = torch.cat([g for _, g in parts])
+            rows = torch.cat([p[0] for p in parts])
+            grads = torch.cat([p[1] for p in parts])
             unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
             summed = grads.new_zeros(unique.numel(), grads.shape[1])
             summed.index_add_(0, inverse, grads)
             out[name] = (unique, summed.div_(len(payloads)))
+            if name in self.dynamic:  # how many samples saw each id: summed, not averaged
+                counts = torch.zeros(unique.numel(), dtype=torch.int64)
+                out[name] += (counts.index_add_(0, inverse, torch.cat([p[2] for p in parts])),)
         return out
 
     def step_optimizer(self, payload: dict, lr_scale: float = 1.0) -> None:
@@ -215,6 +249,10 @@ class TableShard(Shard):
         for name, opt in self.row_optim.items():  # every table, touched or not (see above)
             rows, grads = payload.get(name, (empty, _EMPTY.new_zeros(0, self.specs[name].dim)))
             opt.step(rows, grads, lr)
+        for name, table in self.dynamic.items():
+            rows, grads, counts = payload.get(name, (empty, _EMPTY.new_zeros(0, table.dim),
+                                                     empty))
+            table.apply(rows, grads, counts, self.version, lr)
 
     def count_step(self) -> None:
         """A step with no rows: each table counts it (LazyAdam), as for a round that touched
@@ -236,7 +274,8 @@ class TableShard(Shard):
                                "optimizer": {k: v.clone() if torch.is_tensor(v) else v
                                              for k, v in self.row_optim[n].state_dict().items()}}
                            for n, w in self.weights.items()},
-                "stats": asdict(self.stats)}
+                "dynamic": {n: t.state() for n, t in self.dynamic.items()},
+                "num_ps": self.num_ps, "stats": asdict(self.stats)}
 
     def _restore(self, restore: dict) -> None:
         """Rows and row optimizer state from a checkpoint made with any number of servers and
@@ -244,6 +283,7 @@ class TableShard(Shard):
         old = {n: Partition(t.num_rows, restore["num_ps"], restore["partition"])
                for n, t in self.specs.items()}
         files = [torch.load(p, mmap=True, weights_only=True) for p in restore["paths"]]
+        self._restore_dynamic(files, restore)
         for name, weight in self.weights.items():
             saved = [f["tables"].get(name) for f in files]
             if any(s is None for s in saved) or saved[0]["weight"].shape[1] != weight.shape[1]:
@@ -267,3 +307,62 @@ class TableShard(Shard):
         mine = [f for f in files if f.get("ps") == self.ps]
         if same and mine:
             self._restored_stats = dict(mine[0]["stats"])
+
+    def _restore_dynamic(self, files: list, restore: dict) -> None:
+        """Each dynamic table's ids that this server owns now, from every old server's file
+        (re-partitioned by id: any number of servers before and after). The counters of rows
+        made and evicted are each server's own with the same servers, else all on ps0."""
+        same = restore["num_ps"] == self.num_ps
+        for name, table in self.dynamic.items():
+            saved = [f.get("dynamic", {}).get(name) for f in files]
+            if any(s is None for s in saved):
+                raise PsrpcError(f"checkpoint step-{restore['step']} has no dynamic table "
+                                 f"{name!r}: it was made for another model (or with the table "
+                                 "fixed: sparse.dynamic differs)")
+            for f, state in zip(files, saved):
+                table.load(state, self.hashed.owner(state["ids"])[0] == self.ps)
+                if (same and f.get("ps") == self.ps) or (not same and self.ps == 0):
+                    table.rows_created += state["counters"]["rows_created"]
+                    table.rows_evicted += state["counters"]["rows_evicted"]
+
+    def report(self) -> dict:
+        """The shard's report, with each table's rows (a fixed table: all of its rows here) and
+        this process's memory: resident now and at its peak."""
+        out = super().report()
+        with self.lock:
+            out["tables"] = {n: {"rows_live": w.shape[0], "rows_created": w.shape[0],
+                                 "rows_evicted": 0, "bytes": w.nbytes}
+                             for n, w in self.weights.items()}
+            out["tables"].update({n: {"rows_live": t.rows_live, "rows_created": t.rows_created,
+                                      "rows_evicted": t.rows_evicted, "bytes": t.nbytes()}
+                                  for n, t in self.dynamic.items()})
+        out.update(process_memory())
+        return out
+
+
+def process_memory() -> dict:
+    """This process's resident memory now and its peak (psutil; the peak from getrusage)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"rss_bytes": psutil.Process().memory_info().rss, "peak_rss_bytes": peak}
+
+
+def dynamic_table(t: TableSpec, spec: TableShardSpec) -> DynamicTable:
+    """A dynamic table's part on server spec.ps: sparse.max_rows is the whole table's, so each
+    of P servers keeps at most ceil(max_rows / P) rows."""
+    sp = spec.sparse
+    cap = -(-sp.max_rows // spec.num_ps) if sp.max_rows else None
+    return DynamicTable(t, table_seed(spec.seed, t.name), sp.optimizer, sparse_hyper(sp),
+                        admit_after=sp.admit_after, evict=sp.evict, ttl_steps=sp.ttl_steps,
+                        max_rows=cap)
+
+
+def _check_counts(shard: str, worker: int, name: str, ids: torch.Tensor, counts) -> None:
+    """A dynamic table's counts: int64, one per id, each at least 1 (the samples that saw it)."""
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 \
+            or counts.shape != ids.shape:
+        shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else counts
+        raise PushRejected(f"{shard}: worker{worker} pushed counts {shape} for {ids.numel()} "
+                           f"ids of {name!r}; expected {ids.numel()} int64 counts")
+    if counts.numel() and int(counts.min()) < 1:
+        raise PushRejected(f"{shard}: worker{worker} pushed a count of {int(counts.min())} for "
+                           f"an id of {name!r}: counts are the samples that saw each id, ≥ 1")

@@ -54,10 +54,14 @@ def bootstrap(cfg: Config, topo: Topology, build_model: Callable[[Config, Data],
     plan = Plan(layouts, shards, cuts, restored.step if restored else None, buffers, tables,
                 specs, cfg.sparse.partition, shared=shared, dense=dense)
     if specs:
-        rows = sum(t.num_rows for t in specs)
-        log.info("%d embedding table(s), %d rows × %s in all, on %d PS (%s partition, %s)",
-                 len(specs), rows, "/".join(str(t.dim) for t in specs), topo.num_ps,
-                 cfg.sparse.partition, cfg.sparse.optimizer)
+        fixed = [t for t in specs if not t.dynamic]
+        grown = (f"; {len(specs) - len(fixed)} dynamic (rows made per id, admitted after "
+                 f"{cfg.sparse.admit_after}, evict={cfg.sparse.evict})"
+                 if len(fixed) < len(specs) else "")
+        log.info("%d embedding table(s), %d fixed rows × %s in all%s, on %d PS (%s partition, "
+                 "%s)", len(specs), sum(t.num_rows for t in fixed),
+                 "/".join(str(t.dim) for t in specs), grown, topo.num_ps, cfg.sparse.partition,
+                 cfg.sparse.optimizer)
     log.info("%d parameters in %d %s of %s elements; %d workers%s, update=%s",
              sum(p.numel for p in layout.pieces), layout.num_shards,
              "shard(s)" if dense is None else "bucket(s) on the workers (update.dense=allreduce)",

@@ -355,10 +355,11 @@ class Chief:
         tests = (None if signalled else evaluate(state)) or evaluate.empty()
         if self.best is not None:
             self.best.consider(reports[0]["version"], tests, state)
+        hidden = outputs.hidden_auc(None if signalled else worker.data.test)
         summary = outputs.make_summary(
             self.cfg, self.topo, self.plan, reports, wall_s=wall_s, total_s=total_s,
-            samples_per_s=self.throughput.samples_per_s(), tests=tests, lost=self.lost,
-            stopped_early=self.stopped_early, epochs=self.epochs,
+            samples_per_s=self.throughput.samples_per_s(), tests={**tests, **hidden},
+            lost=self.lost, stopped_early=self.stopped_early, epochs=self.epochs,
             final_checkpoint_error=self.final_checkpoint_error,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
         outputs.write_outputs(self.out_dir, state, summary)

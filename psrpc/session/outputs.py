@@ -13,6 +13,7 @@ import torch
 
 from psrpc import factories
 from psrpc.cluster import comm
+from psrpc.metrics import AUCLogLoss
 from psrpc.worker.loader import fetch, to_device
 
 log = logging.getLogger("psrpc")
@@ -70,6 +71,19 @@ class Evaluator:
         return {self.key: _round(value, 6)}
 
 
+def hidden_auc(test, chunk: int = 8192) -> dict:
+    """{"hidden_auc": the test AUC of the model that made the labels} for a test split with a
+    `logits(indices)` method (synthetic data, `ClickLogs`): the ceiling any model can reach;
+    null otherwise. Labels from `test.batch(indices)`, `chunk` samples at a time."""
+    if test is None or not callable(getattr(test, "logits", None)):
+        return {"hidden_auc": None}
+    metric = AUCLogLoss()
+    for i in range(0, len(test), chunk):
+        idx = torch.arange(i, min(i + chunk, len(test)))
+        metric.update(test.logits(idx), test.batch(idx)[1])
+    return {"hidden_auc": _round(metric.compute()["auc"], 6)}
+
+
 def write_outputs(out_dir: Path, state: dict, summary: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(state, out_dir / "model.pt")
@@ -103,6 +117,7 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "final_checkpoint_error": final_checkpoint_error,  # null: written (or none asked)
         **_table_traffic(plan, workers),
         **_dense_replicas(cfg, workers),
+        **_tables(reports),
         "shards": reports,
         "workers": workers,
     }
@@ -121,6 +136,26 @@ def _table_traffic(plan, workers: dict) -> dict:
             "table_rpcs_per_step": _round(total["table_rpcs"] / steps, 2),
             "cache_hit_rate": (_round(total["cache_hits"] / total["cache_lookups"], 4)
                                if total["cache_lookups"] else None)}
+
+
+def _tables(reports: list[dict]) -> dict:
+    """Per table, its rows over every PS: live now, ever made, evicted (a fixed table: made once,
+    never evicted); per PS, the memory of its process and of its tables."""
+    parts = [r for r in reports if "tables" in r]
+    if not parts:
+        return {}
+    tables: dict = {}
+    for r in parts:
+        for name, t in r["tables"].items():
+            mine = tables.setdefault(name, {"rows_live": 0, "rows_created": 0,
+                                            "rows_evicted": 0})
+            for k in mine:
+                mine[k] += t[k]
+    return {"tables": tables,
+            "ps_memory": [{"ps": r["ps"], "rss_bytes": r["rss_bytes"],
+                           "peak_rss_bytes": r["peak_rss_bytes"],
+                           "table_bytes": sum(t["bytes"] for t in r["tables"].values())}
+                          for r in parts]}
 
 
 def _dense_replicas(cfg, workers: dict) -> dict:

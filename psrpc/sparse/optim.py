@@ -47,6 +47,28 @@ class RowOptimizer:
     def step(self, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         raise NotImplementedError
 
+    def initial(self, key: str) -> float:
+        """The value a new row's state `key` starts from."""
+        return 0.0
+
+    def resize(self, num_rows: int) -> None:
+        """The weight and the per-row state, `num_rows` rows now (a dynamic table's storage
+        growing): the rows that were there keep their values, new rows are uninitialised."""
+        old = self.weight
+        self.weight = torch.empty(num_rows, old.shape[1], dtype=old.dtype)
+        keep = min(num_rows, old.shape[0])
+        self.weight[:keep] = old[:keep]
+        for k in self.per_row_state:
+            mine = getattr(self, k)
+            grown = mine.new_empty(num_rows, *mine.shape[1:])
+            grown[:keep] = mine[:keep]
+            setattr(self, k, grown)
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Rows made anew (a dynamic table's new ids): their state as a new optimizer's."""
+        for k in self.per_row_state:
+            getattr(self, k)[rows] = self.initial(k)
+
     def _check(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         num_rows, dim = self.weight.shape
         if rows.dim() != 1 or rows.dtype != torch.int64:
@@ -103,7 +125,11 @@ class RowWiseAdagrad(RowOptimizer):
                  initial_accumulator_value: float = 0.0):
         super().__init__(weight)
         self.eps, self.weight_decay = eps, weight_decay
+        self.initial_accumulator_value = initial_accumulator_value
         self.sum = torch.full((weight.shape[0],), initial_accumulator_value, dtype=torch.float32)
+
+    def initial(self, key: str) -> float:
+        return self.initial_accumulator_value
 
     def step(self, rows, grads, lr):
         self._check(rows, grads)

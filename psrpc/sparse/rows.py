@@ -92,13 +92,17 @@ def table_seed(seed: int, name: str) -> int:
 @dataclass(frozen=True)
 class TableSpec:
     """One embedding table. With `hash_size`, features carry raw ids (any int64 except -1, the
-    padding value) that are hashed into [0, hash_size) rows; without it, ids are rows."""
+    padding value) that are hashed into [0, hash_size) rows; without it, ids are rows.
+    `dynamic`: ids are raw (any int64 but -1) and every id gets a row of its own, created on the
+    PS the first time the id is trained on (psrpc.sparse.dynamic); `num_rows` is then only the
+    expected number of rows, which sets the initial scale."""
 
     name: str
     num_rows: int
     dim: int
     pooling: str = "sum"  # "sum" or "mean" over a bag's ids
     hash_size: Optional[int] = None
+    dynamic: bool = False
 
     def __post_init__(self):
         if self.num_rows <= 0 or self.dim <= 0:
@@ -107,6 +111,9 @@ class TableSpec:
         if self.pooling not in ("sum", "mean"):
             raise ValueError(f"table {self.name!r}: pooling={self.pooling!r}, must be 'sum' or "
                              "'mean'")
+        if self.dynamic and self.hash_size is not None:
+            raise ValueError(f"table {self.name!r}: a dynamic table takes raw ids: hash_size "
+                             f"must be None, got {self.hash_size}")
         if self.hash_size is not None and self.hash_size != self.num_rows:
             raise ValueError(f"table {self.name!r}: hash_size={self.hash_size} must equal "
                              f"num_rows={self.num_rows}")
@@ -119,7 +126,9 @@ class TableSpec:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Feature ids (no padding) -> table rows: hashed when hash_size is set, else checked to
-        lie in [0, num_rows)."""
+        lie in [0, num_rows); a dynamic table's ids are its rows."""
+        if self.dynamic:
+            return ids
         if self.hash_size is not None:
             return hash_ids(ids, self.hash_size)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
@@ -192,6 +201,51 @@ class Partition:
         if self.strategy == "mod":
             return torch.arange(k, max(k, self.num_rows), self.num_ps, dtype=torch.int64)
         return torch.arange(self._starts[k], self._starts[k] + self._sizes[k], dtype=torch.int64)
+
+
+class HashPartition:
+    """A dynamic table's ids over `num_ps` servers: id i on server hash64(i) % P (a hash, not
+    the value: sequential ids spread evenly). An id is its own "local row": the server maps it
+    to storage itself. The same interface as `Partition` where the worker uses it."""
+
+    SALT = 0x1D5  # the partition's hash is apart from the initialiser's and the map's
+
+    def __init__(self, num_ps: int):
+        if num_ps <= 0:
+            raise ValueError(f"HashPartition: num_ps={num_ps} must be positive")
+        self.num_ps = num_ps
+
+    def owner(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids -> (server, id)."""
+        ids = ids.to(torch.int64)
+        if self.num_ps == 1:
+            return torch.zeros_like(ids), ids
+        h = (hash64(ids, self.SALT) >> 1) & ((1 << 63) - 1)
+        return h.remainder_(self.num_ps), ids
+
+    def split(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (positions, ids) pair per server, positions ascending (ids stay in the order
+        given: ascending ids stay ascending)."""
+        if self.num_ps == 1:
+            return [(torch.arange(ids.numel()), ids)]
+        server, _ = self.owner(ids)
+        order = torch.argsort(server, stable=True)
+        counts = torch.bincount(server, minlength=self.num_ps).tolist()
+        return [(pos, ids[pos]) for pos in order.split(counts)]
+
+
+def partition_of(spec: "TableSpec", num_ps: int, strategy: str):
+    """The partition a table's rows follow: by hash of the id for a dynamic table, else by
+    `sparse.partition`."""
+    return HashPartition(num_ps) if spec.dynamic else Partition(spec.num_rows, num_ps, strategy)
+
+
+def init_ids(ids: torch.Tensor, dim: int, table_seed: int, scale: float) -> torch.Tensor:
+    """Initial values of a dynamic table's rows, from the raw ids (any int64): `init_rows` of a
+    47-bit hash of each id, so a row starts from the same values on any server, whenever it is
+    created (and again after an eviction)."""
+    key = (hash64(ids, table_seed) >> (64 - (63 - COLUMN_BITS))) & (MAX_INIT_ROW - 1)
+    return init_rows(key, dim, table_seed, scale)
 
 
 def init_rows(global_rows: torch.Tensor, dim: int, table_seed: int, scale: float) -> torch.Tensor:

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psrpc.sparse.lookup import DynamicBag
 from psrpc.sparse.rows import TableSpec, init_rows, table_seed
 
 PAD = -1
@@ -43,6 +46,28 @@ def remote_tables():
         yield
     finally:
         _MODE.remote = before
+
+
+@contextmanager
+def table_options(dynamic: bool = False, hash_size: Optional[int] = None):
+    """EmbeddingTables built inside take these for every table: `dynamic` (raw ids, a row per
+    id), or `hash_size` (raw ids hashed into that many rows). psrpc's sparse.dynamic and
+    sparse.hash_size."""
+    before = getattr(_MODE, "options", None)
+    _MODE.options = (dynamic, hash_size)
+    try:
+        yield
+    finally:
+        _MODE.options = before
+
+
+def with_options(spec: TableSpec) -> TableSpec:
+    dynamic, hash_size = getattr(_MODE, "options", None) or (False, None)
+    if hash_size:
+        return replace(spec, num_rows=hash_size, hash_size=hash_size, dynamic=False)
+    if dynamic and not spec.dynamic:
+        return replace(spec, hash_size=None, dynamic=True)
+    return spec
 
 
 def find_tables(model: nn.Module) -> list["EmbeddingTables"]:
@@ -73,6 +98,7 @@ class EmbeddingTables(nn.Module):
 
     def __init__(self, specs: list[TableSpec], seed: int = 0, sparse_grad: bool = False):
         super().__init__()
+        specs = [with_options(s) for s in specs]
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or any("." in n or not n for n in names):
             raise ValueError(f"table names must be unique, non-empty and without '.': {names}")
@@ -85,6 +111,10 @@ class EmbeddingTables(nn.Module):
         if self.remote:
             return
         for spec in self.specs:
+            if spec.dynamic:  # the rows a run trained are loaded into it (load_model)
+                self.bags[spec.name] = DynamicBag(spec.dim, table_seed(seed, spec.name),
+                                                  spec.init_scale, spec.pooling)
+                continue
             weight = init_rows(torch.arange(spec.num_rows), spec.dim, table_seed(seed, spec.name),
                                spec.init_scale)  # given as _weight: no random init to overwrite
             self.bags[spec.name] = nn.EmbeddingBag(spec.num_rows, spec.dim, mode=spec.pooling,
@@ -115,18 +145,21 @@ class EmbeddingTables(nn.Module):
         bags = {}
         for spec in self.specs:
             flat, offsets = bag_inputs(features[spec.name])
-            rows, inverse = torch.unique(spec.rows(flat).cpu(), sorted=True, return_inverse=True)
-            bags[spec.name] = (rows, inverse, offsets)
+            # a dynamic table is told how many samples saw each id (its admission counts)
+            rows, inverse, *counts = torch.unique(spec.rows(flat).cpu(), sorted=True,
+                                                  return_inverse=True,
+                                                  return_counts=spec.dynamic)
+            bags[spec.name] = (rows, inverse, offsets, counts)
         values = self.client.pull({n: b[0] for n, b in bags.items()})  # all tables at once
         track = torch.is_grad_enabled()
         self._leaves = []
         out = {}
         for spec in self.specs:
-            rows, inverse, offsets = bags[spec.name]
+            rows, inverse, offsets, counts = bags[spec.name]
             device = features[spec.name].device
             weight = values[spec.name].to(device).requires_grad_(track)
             if track:
-                self._leaves.append((spec.name, rows, weight))
+                self._leaves.append((spec.name, rows, weight, counts))
             out[spec.name] = F.embedding_bag(inverse.to(device), weight, offsets.to(device),
                                              mode=spec.pooling)
         return out
@@ -139,11 +172,12 @@ class EmbeddingTables(nn.Module):
 
     def take_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """After backward: {table: (unique global rows, their gradients on CPU)} of the last
-        forward (rows no output used get zero gradients)."""
+        forward (rows no output used get zero gradients); a dynamic table's also carries how
+        many samples saw each id: (ids, gradients, counts)."""
         out = {}
-        for name, rows, weight in self._leaves:
+        for name, rows, weight, counts in self._leaves:
             grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-            out[name] = (rows, grad.detach().to("cpu", torch.float32))
+            out[name] = (rows, grad.detach().to("cpu", torch.float32), *counts)
         self._leaves = []
         return out
 

@@ -155,11 +155,11 @@ class Worker(Replica):
         rest = self.flat.disarm() if overlap else list(range(len(self.flat.params)))
         table_grads = self.table_gradients()
         if nan:
-            self.faults.corrupt(versions[0], self.flat.all_grads() + [g for _, g in
+            self.faults.corrupt(versions[0], self.flat.all_grads() + [g[1] for g in
                                                                table_grads.values()])
         if clip:  # this worker's own gradient norm (the round averages clipped gradients)
             torch.nn.utils.clip_grad_norm_(
-                list(self.model.parameters()) + [_Grad(g) for _, g in table_grads.values()],
+                list(self.model.parameters()) + [_Grad(g[1]) for g in table_grads.values()],
                 clip)
         if self.bounded:
             # After a pull the shards' versions can differ (tickets still in flight): the

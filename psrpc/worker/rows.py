@@ -14,7 +14,7 @@ import torch
 
 from psrpc.cluster import comm, shm
 from psrpc.errors import PsrpcError, first_line
-from psrpc.sparse.rows import Partition, TableSpec
+from psrpc.sparse.rows import TableSpec, partition_of
 
 
 class RowClient:
@@ -23,7 +23,7 @@ class RowClient:
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
         self.stats = stats  # WorkerStats: rows and bytes on the wire
         self.specs = {s.name: s for s in specs}
-        self.partitions = {s.name: Partition(s.num_rows, len(shards), partition) for s in specs}
+        self.partitions = {s.name: partition_of(s, len(shards), partition) for s in specs}
         self._asked: Optional[tuple] = None  # the rows asked ahead with the last push
         self._ahead: Optional[tuple] = None  # ({table: rows}, {table: values}) they brought
         self._riders: dict[int, tuple] = {}  # server -> a call to send with its next push
@@ -80,9 +80,9 @@ class RowClient:
         Replies, in server order. `void`: the gradients were computed across an update
         (shm.VOID: each server discards them). `ahead`: {table: unique global rows} of the next
         batch, whose values the replies bring (`receive`), for the next `pull`."""
-        per = self._split({n: r for n, (r, _) in grads.items()})
+        per = self._split({n: g[0] for n, g in grads.items()})
         if not void:
-            self._count("pushed", ((n, r) for n, (r, _) in grads.items()))
+            self._count("pushed", ((n, g[0]) for n, g in grads.items()))
         if self.stats is not None:
             self.stats.table_rpcs += len(per)
         split = self._split(ahead) if ahead else None
@@ -90,8 +90,9 @@ class RowClient:
         futures = []
         riders, self._riders = self._riders, {}
         for k, parts in enumerate(per):
-            payload = (shm.VOID if void else
-                       {n: (local, grads[n][1][pos]) for n, (pos, local) in parts.items()})
+            payload = (shm.VOID if void else  # (a dynamic table's counts too)
+                       {n: (local, *(g[pos] for g in grads[n][1:]))
+                        for n, (pos, local) in parts.items()})
             args = (self.worker, versions[k], payload, loss, samples, ticket)
             if split is None:
                 call = (self.shards[k], "push_pull", args)

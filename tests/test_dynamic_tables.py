@@ -1,0 +1,201 @@
+"""Dynamic tables, piece by piece, without RPC: the id map, admission, eviction, checkpoints of
+one table, serving lookups, and a table shard that refuses malformed pushes."""
+
+import copy
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from psrpc.errors import PushRejected
+from psrpc.ps.tables import TableShard, TableShardSpec
+from psrpc.sparse import DynamicBag, HashPartition, TableSpec, init_ids, table_seed
+from psrpc.sparse.dynamic import DynamicTable
+from psrpc.sparse.idmap import IdMap
+from tests.unit_helpers import sgd, sync
+
+SPEC = TableSpec("user", 1000, 4, dynamic=True)
+ADAGRAD = {"eps": 1e-8, "weight_decay": 0.0}
+
+
+def ids(*values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def table(**kw):
+    return DynamicTable(SPEC, 7, "adagrad", ADAGRAD, **kw)
+
+
+def apply(t, step, id_list, counts=None, value=1.0):
+    x = ids(*id_list)
+    c = torch.ones(x.numel(), dtype=torch.int64) if counts is None else ids(*counts)
+    t.apply(x, torch.full((x.numel(), SPEC.dim), value), c, step, 0.1)
+
+
+def test_id_map_matches_a_dict_through_inserts_removals_and_rebuilds():
+    g = torch.Generator().manual_seed(0)
+    m, ref = IdMap({"v": torch.int32}), {}
+    for it in range(60):
+        batch = torch.randint(-2**62, 2**62, (400,), generator=g)
+        batch = torch.cat([batch, ids(*list(ref)[:40])]).unique()
+        pos = m.find(batch)
+        for i, p in zip(batch.tolist(), pos.tolist()):
+            assert (p >= 0) == (i in ref)
+            assert p < 0 or m.columns["v"][p].item() == ref[i]
+        new = batch[pos < 0]
+        at = m.insert(new)  # (may rebuild: the columns are new tensors after it)
+        m.columns["v"][at] = (new % 1000).int()
+        ref.update({i: i % 1000 for i in new.tolist()})
+        if it % 3 == 0:  # tombstones, and rebuilds that clear them
+            gone = batch[:150]
+            m.remove(m.find(gone))
+            for i in gone.tolist():
+                ref.pop(i)
+        assert len(m) == len(ref)
+    assert m.used <= 0.6 * m.capacity
+
+
+def test_rows_start_from_a_hash_of_the_id_and_unknown_ids_create_nothing():
+    t = table()
+    x = ids(5, -3, 2**50)
+    assert torch.equal(t.lookup(x), init_ids(x, SPEC.dim, 7, SPEC.init_scale))
+    assert t.rows_live == 0 and len(t.map) == 0
+    apply(t, 0, [5])
+    assert t.rows_live == t.rows_created == 1
+    assert not torch.equal(t.lookup(ids(5)), init_ids(ids(5), SPEC.dim, 7, SPEC.init_scale))
+    # the same id on another server (another partition) starts from the same values
+    spread = HashPartition(3).owner(torch.arange(3000))[0].bincount(minlength=3)
+    assert spread.min() > 900  # sequential ids spread: the hash of the id, not its value
+
+
+def test_admission_drops_gradients_until_an_id_has_been_seen_n_times():
+    t = table(admit_after=3)
+    start = t.lookup(ids(9))
+    apply(t, 0, [9])  # seen once
+    apply(t, 1, [9])  # twice: still no row, its gradient dropped
+    assert t.rows_live == 0 and torch.equal(t.lookup(ids(9)), start)
+    apply(t, 2, [9])  # three times: a row, from its initial value, then this round's gradient
+    assert t.rows_live == 1
+    ref = table()
+    apply(ref, 0, [9])
+    assert torch.equal(t.lookup(ids(9)), ref.lookup(ids(9)))
+    u = table(admit_after=3)
+    apply(u, 0, [9], counts=[3])  # counts are samples: three in one batch admit at once
+    assert u.rows_live == 1
+
+
+def test_ttl_evicts_ids_not_trained_on_and_they_come_back_from_their_initial_value():
+    t = table(evict="ttl", ttl_steps=3)
+    apply(t, 0, [1, 2])
+    for step in (1, 2):
+        apply(t, step, [2])
+    assert t.rows_live == 2
+    apply(t, 3, [2])  # id 1 last trained at step 0: 3 steps without training
+    assert t.rows_live == 1 and t.rows_evicted == 1
+    assert torch.equal(t.lookup(ids(1)), init_ids(ids(1), SPEC.dim, 7, SPEC.init_scale))
+    apply(t, 4, [1])
+    fresh = table()
+    apply(fresh, 0, [1])
+    assert torch.equal(t.lookup(ids(1)), fresh.lookup(ids(1)))
+    assert t.rows_created == 3 and t.weight.shape[0] == 4096  # a freed slot was reused
+
+
+def test_lfu_keeps_at_most_max_rows_and_drops_the_least_often_seen():
+    t = table(evict="lfu", max_rows=64)
+    hot = list(range(10))
+    for step in range(40):
+        apply(t, step, hot + list(range(1000 + 30 * step, 1000 + 30 * step + 30)))
+        assert t.rows_live <= 64
+    assert t.weight.shape[0] <= 64 + 40  # storage: the cap and one round's new ids
+    assert bool((t.map.find(ids(*hot)) >= 0).all())  # the hot ids survive every pass
+    assert t.rows_created - t.rows_evicted == t.rows_live
+
+
+def test_state_and_load_round_trip_into_any_number_of_servers():
+    g = torch.Generator().manual_seed(1)
+    t = table(admit_after=2, evict="ttl", ttl_steps=4)
+    for step in range(20):
+        batch = torch.randint(0, 200, (30,), generator=g).unique()
+        t.apply(batch, torch.randn(batch.numel(), SPEC.dim, generator=g),
+                torch.ones(batch.numel(), dtype=torch.int64), step, 0.1)
+    state = t.state()
+    probe = torch.arange(-5, 205)
+    for p in (1, 3):  # the entries re-split by id over p servers: together, the same table
+        parts = [table(admit_after=2, evict="ttl", ttl_steps=4) for _ in range(p)]
+        owner = HashPartition(p).owner(state["ids"])[0]
+        for k, part in enumerate(parts):
+            part.load(state, owner == k)
+        whole = HashPartition(p).owner(probe)[0]
+        for k, part in enumerate(parts):
+            mine = probe[whole == k]
+            assert torch.equal(part.lookup(mine), t.lookup(mine))
+            again = part.state()
+            for key in ("count", "last", "has_row"):
+                sel = owner == k
+                assert torch.equal(again[key], state[key][sel])
+        assert sum(part.rows_live for part in parts) == t.rows_live
+
+
+def test_dynamic_bag_serves_trained_rows_and_initial_values_or_zeros_for_the_rest():
+    t = table()
+    apply(t, 0, [4, 8])
+    rows = t.export()
+    bag = DynamicBag(SPEC.dim, 7, SPEC.init_scale).load(rows["ids"], rows["weight"])
+    x = ids(8, 3, 4)
+    assert torch.equal(bag.lookup(x), t.lookup(x))
+    zero = DynamicBag(SPEC.dim, 7, SPEC.init_scale, unknown="zero").load(rows["ids"],
+                                                                         rows["weight"])
+    assert torch.equal(zero.lookup(ids(3)), torch.zeros(1, SPEC.dim))
+    pooled = bag(x, ids(0, 2))  # bags [8, 3] and [4]
+    assert torch.allclose(pooled[0], t.lookup(ids(8, 3)).sum(0))
+
+
+# -- a table shard with dynamic tables: malformed pushes change nothing -------------------------
+def _shard(ps=0, num_ps=2):
+    sp = NS(optimizer="adagrad", lr=0.5, eps=1e-8, weight_decay=0.0, betas=[0.9, 0.999],
+            partition="mod", admit_after=1, evict="none", ttl_steps=0, max_rows=None)
+    return TableShard(TableShardSpec(0, torch.empty(0), sgd(lr=1.0), sync(), 1, 1000, ps=ps,
+                                     num_ps=num_ps, tables=[SPEC], seed=0, sparse=sp))
+
+
+def _owned(ps, num_ps, n):
+    candidates = torch.arange(1000)
+    return candidates[HashPartition(num_ps).owner(candidates)[0] == ps][:n]
+
+
+@pytest.mark.parametrize("case", ["not-owned", "negative-count", "zero-count", "no-counts",
+                                  "unknown-table", "count-shape"])
+def test_malformed_dynamic_pushes_are_refused_with_nothing_changed(case):
+    shard = _shard()
+    good = _owned(0, 2, 3)
+    grads = torch.ones(3, SPEC.dim)
+    one = torch.ones(3, dtype=torch.int64)
+    shard.push_pull(0, 0, {"user": (good, grads, one)}, 1.0, 1).wait()  # a good round first
+    before = (copy.deepcopy(shard.dynamic["user"].state()), shard.version)
+    payload = {
+        "not-owned": {"user": (_owned(1, 2, 3), grads, one)},
+        "negative-count": {"user": (good, grads, ids(1, -2, 1))},
+        "zero-count": {"user": (good, grads, ids(1, 0, 1))},
+        "no-counts": {"user": (good, grads)},
+        "unknown-table": {"users": (good, grads, one)},
+        "count-shape": {"user": (good, grads, ids(1, 1))},
+    }[case]
+    with pytest.raises(PushRejected) as err:
+        shard.push_pull(0, 1, payload, 1.0, 1).wait()
+    assert {"not-owned": "does not own", "negative-count": "count of -2",
+            "zero-count": "count of 0", "no-counts": "(ids, gradients, counts)",
+            "unknown-table": "unknown table", "count-shape": "counts (2,)"}[case] in str(err.value)
+    after = shard.dynamic["user"].state()
+    assert shard.version == before[1]
+    for key in ("ids", "count", "last", "has_row", "weight"):
+        assert torch.equal(after[key], before[0][key])
+
+
+def test_pulls_of_unknown_ids_give_initial_values_and_create_no_row():
+    shard = _shard(ps=1)
+    x = _owned(1, 2, 4)
+    got = shard.pull_rows({"user": x})["user"]
+    assert torch.equal(got, init_ids(x, SPEC.dim, table_seed(0, "user"), SPEC.init_scale))
+    assert shard.dynamic["user"].rows_live == 0
+    with pytest.raises(PushRejected, match="does not own"):
+        shard.pull_rows({"user": _owned(0, 2, 2)})
