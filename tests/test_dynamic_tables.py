@@ -4,6 +4,7 @@ one table, serving lookups, and a table shard that refuses malformed pushes."""
 import copy
 from types import SimpleNamespace as NS
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,18 +34,18 @@ def apply(t, step, id_list, counts=None, value=1.0):
 
 
 def test_id_map_matches_a_dict_through_inserts_removals_and_rebuilds():
-    g = torch.Generator().manual_seed(0)
-    m, ref = IdMap({"v": torch.int32}), {}
+    rng = np.random.default_rng(0)
+    m, ref = IdMap({"v": np.int32}), {}
     for it in range(60):
-        batch = torch.randint(-2**62, 2**62, (400,), generator=g)
-        batch = torch.cat([batch, ids(*list(ref)[:40])]).unique()
+        batch = rng.integers(-2**62, 2**62, 400)
+        batch = np.unique(np.concatenate([batch, np.array(list(ref)[:40], dtype=np.int64)]))
         pos = m.find(batch)
         for i, p in zip(batch.tolist(), pos.tolist()):
             assert (p >= 0) == (i in ref)
-            assert p < 0 or m.columns["v"][p].item() == ref[i]
+            assert p < 0 or m.columns["v"][p] == ref[i]
         new = batch[pos < 0]
-        at = m.insert(new)  # (may rebuild: the columns are new tensors after it)
-        m.columns["v"][at] = (new % 1000).int()
+        at = m.insert(new)  # (may rebuild: the columns are new arrays after it)
+        m.columns["v"][at] = new % 1000
         ref.update({i: i % 1000 for i in new.tolist()})
         if it % 3 == 0:  # tombstones, and rebuilds that clear them
             gone = batch[:150]
@@ -53,6 +54,11 @@ def test_id_map_matches_a_dict_through_inserts_removals_and_rebuilds():
                 ref.pop(i)
         assert len(m) == len(ref)
     assert m.used <= 0.6 * m.capacity
+    # sequential ids (a hash of the id, not its value, places them) and a crowded window
+    seq = np.arange(5000, dtype=np.int64)
+    m2 = IdMap({})
+    m2.insert(seq)
+    assert (m2.find(seq) >= 0).all() and (m2.find(seq + 5000) < 0).all()
 
 
 def test_rows_start_from_a_hash_of_the_id_and_unknown_ids_create_nothing():
@@ -107,7 +113,7 @@ def test_lfu_keeps_at_most_max_rows_and_drops_the_least_often_seen():
         apply(t, step, hot + list(range(1000 + 30 * step, 1000 + 30 * step + 30)))
         assert t.rows_live <= 64
     assert t.weight.shape[0] <= 64 + 40  # storage: the cap and one round's new ids
-    assert bool((t.map.find(ids(*hot)) >= 0).all())  # the hot ids survive every pass
+    assert (t.map.find(ids(*hot).numpy()) >= 0).all()  # the hot ids survive every pass
     assert t.rows_created - t.rows_evicted == t.rows_live
 
 
@@ -199,3 +205,12 @@ def test_pulls_of_unknown_ids_give_initial_values_and_create_no_row():
     assert shard.dynamic["user"].rows_live == 0
     with pytest.raises(PushRejected, match="does not own"):
         shard.pull_rows({"user": _owned(0, 2, 2)})
+
+
+def test_numpy_initialiser_equals_init_rows_bit_for_bit():
+    """The PS computes a new id's initial values with NumPy; they must be init_rows' (torch)."""
+    from psrpc.sparse.rows import init_ids_reference
+
+    x = torch.cat([torch.randint(-2**63, 2**63 - 1, (3000,)), torch.arange(-5, 5)])
+    for dim, seed, scale in [(1, 0, 1.0), (16, 12345, 0.01), (33, -7, 0.0031622)]:
+        assert torch.equal(init_ids(x, dim, seed, scale), init_ids_reference(x, dim, seed, scale))

@@ -41,6 +41,7 @@ from psrpc.sparse.rows import HashPartition, Partition, TableSpec, init_rows, ta
 log = logging.getLogger(__name__)
 _EMPTY = torch.empty(0)
 TABLES_FORMAT = "psrpc-tables-1"
+HISTORY_POINTS = 50  # dynamic tables: rows and memory are recorded this many times a run
 
 
 def tables_file(ps: int) -> str:
@@ -86,6 +87,7 @@ class TableShard(Shard):
         self.row_optim = {}
         self.dynamic: dict[str, DynamicTable] = {n: dynamic_table(t, spec) for n, t in
                                                  self.specs.items() if t.dynamic}
+        self.history: list[dict] = []  # dynamic tables: their rows and memory over the run
         for name, t in self.specs.items():
             if t.dynamic:
                 continue
@@ -253,6 +255,11 @@ class TableShard(Shard):
             rows, grads, counts = payload.get(name, (empty, _EMPTY.new_zeros(0, table.dim),
                                                      empty))
             table.apply(rows, grads, counts, self.version, lr)
+        if self.dynamic and self.version % max(1, self.total_steps // HISTORY_POINTS) == 0:
+            self.history.append({"step": self.version,
+                                 "rows_live": {n: t.rows_live for n, t in self.dynamic.items()},
+                                 "table_bytes": sum(t.nbytes() for t in self.dynamic.values()),
+                                 "rss_bytes": psutil.Process().memory_info().rss})
 
     def count_step(self) -> None:
         """A step with no rows: each table counts it (LazyAdam), as for a round that touched
@@ -336,7 +343,7 @@ class TableShard(Shard):
             out["tables"].update({n: {"rows_live": t.rows_live, "rows_created": t.rows_created,
                                       "rows_evicted": t.rows_evicted, "bytes": t.nbytes()}
                                   for n, t in self.dynamic.items()})
-        out.update(process_memory())
+        out.update(process_memory(), history=list(self.history))
         return out
 
 

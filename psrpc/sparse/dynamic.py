@@ -13,7 +13,8 @@ trained on, dropped when it goes cold. Pure table math, no RPC (psrpc/ps/tables.
   Monolith's and TFRA's frequency filters do. Counting is per id, exact: no sketch, whose
   collisions would make an id's fate depend on which other ids share its server.
 - **Eviction**, after a round's update, never inside one: `ttl` drops every id (row or count)
-  not trained on for `ttl_steps` steps; `lfu` keeps at most `max_rows` rows on this server, and
+  not trained on for `ttl_steps` steps (looked for every ttl_steps // 8 steps: an id goes
+  between ttl_steps and 9/8 of it after its last training); `lfu` keeps at most `max_rows` rows on this server, and
   when a round takes it past that, drops the least often seen (then the least recently, then the
   smallest id) down to `max_rows - max_rows // 16`, so the sort is paid once every many rounds;
   waiting counts are capped the same way. Each such pass halves the counts of the rows it keeps
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from psrpc.sparse.idmap import IdMap
@@ -43,9 +45,11 @@ class DynamicTable:
         self.spec, self.seed, self.dim = spec, seed, spec.dim
         self.admit_after, self.evict, self.ttl_steps = max(1, admit_after), evict, ttl_steps
         self.max_rows = max_rows if evict == "lfu" else None
-        self.map = IdMap({"count": torch.int32, "last": torch.int32, "slot": torch.int32})
+        # ttl: the scan for cold ids runs every ttl_steps // 8 steps (every step below 16)
+        self.ttl_every = max(1, ttl_steps // 8)
+        self.map = IdMap({"count": np.int32, "last": np.int32, "slot": np.int32})
         self.opt = build_sparse_optimizer(optimizer, torch.empty(0, spec.dim), **hyper)
-        self.free = torch.empty(0, dtype=torch.int64)  # slots of evicted rows
+        self.free = np.empty(0, dtype=np.int64)  # slots of evicted rows
         self.rows_live = self.rows_created = self.rows_evicted = 0
 
     @property
@@ -59,22 +63,24 @@ class DynamicTable:
     def initial(self, ids: torch.Tensor) -> torch.Tensor:
         return init_ids(ids, self.dim, self.seed, self.spec.init_scale)
 
-    def _slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pos = self.map.find(ids)
-        slot = self.map.columns["slot"][pos.clamp(min=0)].long()
+        slot = self.map.columns["slot"][pos].astype(np.int64)  # (pos -1: any, masked next)
         slot[pos < 0] = -1
         return pos, slot
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """(U, dim) values of the ids: their rows, or their initial values where they have none
         (nothing is created)."""
-        _, slot = self._slots(ids)
+        _, slot = self._slots(ids.numpy())
         have = slot >= 0
-        if bool(have.all()):
-            return self.weight.index_select(0, slot)
+        if have.all():
+            return self.weight.index_select(0, torch.from_numpy(slot))
         out = torch.empty(ids.numel(), self.dim)
-        out[have] = self.weight.index_select(0, slot[have])
-        out[~have] = self.initial(ids[~have])
+        at = torch.from_numpy(np.flatnonzero(have))
+        out.index_copy_(0, at, self.weight.index_select(0, torch.from_numpy(slot[have])))
+        missing = torch.from_numpy(np.flatnonzero(~have))
+        out.index_copy_(0, missing, self.initial(ids.index_select(0, missing)))
         return out
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, counts: torch.Tensor, step: int,
@@ -83,37 +89,41 @@ class DynamicTable:
         global step `step`. Counts and recency first, then admission, then the optimizer on the
         rows that exist; then eviction. Every table is applied once per round, touched or not."""
         if ids.numel():
-            pos, slot = self._slots(ids)
+            keys = ids.numpy()
+            pos, slot = self._slots(keys)
             new = pos < 0
-            if bool(new.any()):
-                pos[new] = self.map.insert(ids[new])
+            if new.any():
+                pos[new] = self.map.insert(keys[new])
                 self.map.columns["slot"][pos[new]] = -1
             cols = self.map.columns
-            count = cols["count"][pos].long() + counts
-            cols["count"][pos] = count.clamp_(max=2**31 - 1).int()
+            count = np.minimum(cols["count"][pos] + counts.numpy(), 2**31 - 1)
+            cols["count"][pos] = count
             cols["last"][pos] = step
-            admit = (slot < 0) & (count >= self.admit_after)
-            if bool(admit.any()):
-                made = self._allocate(int(admit.sum()))
-                self.weight[made] = self.initial(ids[admit])
-                self.opt.reset_rows(made)
-                cols["slot"][pos[admit]] = made.int()
+            admit = np.flatnonzero((slot < 0) & (count >= self.admit_after))
+            if admit.shape[0]:
+                made = self._allocate(admit.shape[0])
+                made_t = torch.from_numpy(made)
+                self.weight.index_copy_(0, made_t, self.initial(
+                    ids.index_select(0, torch.from_numpy(admit))))
+                self.opt.reset_rows(made_t)
+                cols["slot"][pos[admit]] = made
                 slot[admit] = made
-                self.rows_created += made.numel()
-                self.rows_live += made.numel()
-            have = slot >= 0
-            rows, order = slot[have].sort()
-            self.opt.step(rows, grads[have][order], lr)
+                self.rows_created += made.shape[0]
+                self.rows_live += made.shape[0]
+            have = np.flatnonzero(slot >= 0)
+            order = np.argsort(slot[have], kind="stable")
+            self.opt.step(torch.from_numpy(slot[have][order]),
+                          grads.index_select(0, torch.from_numpy(have[order])), lr)
         else:
             self.opt.step(torch.empty(0, dtype=torch.int64), grads, lr)
         self._evict(step)
 
-    def _allocate(self, n: int) -> torch.Tensor:
+    def _allocate(self, n: int) -> np.ndarray:
         """n free slots: from the free list, then from storage grown in chunks (never past
         max_rows plus what one round brings, with lfu)."""
-        take = min(n, self.free.numel())
-        slots = self.free[self.free.numel() - take:]
-        self.free = self.free[:self.free.numel() - take]
+        take = min(n, self.free.shape[0])
+        slots = self.free[self.free.shape[0] - take:]
+        self.free = self.free[:self.free.shape[0] - take]
         missing = n - take
         if missing:
             held = self.weight.shape[0]
@@ -121,61 +131,69 @@ class DynamicTable:
             if self.max_rows is not None:
                 target = max(min(target, self.max_rows), held + missing)
             self.opt.resize(target)
-            grown = torch.arange(held, target, dtype=torch.int64)
-            slots = torch.cat([slots, grown[:missing]])
-            self.free = torch.cat([grown[missing:].flip(0), self.free])
+            grown = np.arange(held, target, dtype=np.int64)
+            slots = np.concatenate([slots, grown[:missing]])
+            self.free = np.concatenate([grown[missing:][::-1], self.free])
         return slots
 
     def _evict(self, step: int) -> None:
-        if self.evict == "ttl" and self.ttl_steps > 0 and len(self.map):
+        cols = self.map.columns
+        if self.evict == "ttl" and self.ttl_steps > 0 and len(self.map) \
+                and step % self.ttl_every == 0:
             live = self.map.live()
-            cold = live[(step - self.map.columns["last"][live].long()) >= self.ttl_steps]
-            self._drop(cold)
-        elif self.max_rows is not None and len(self.map) > self.max_rows:
+            self._drop(live[(step - cols["last"][live].astype(np.int64)) >= self.ttl_steps])
+        elif self.max_rows is not None and max(self.rows_live,
+                                               len(self.map) - self.rows_live) > self.max_rows:
             live = self.map.live()
-            slot = self.map.columns["slot"][live]
+            slot = cols["slot"][live]
             rows, waiting = live[slot >= 0], live[slot < 0]
-            if rows.numel() > self.max_rows:
-                self._drop(self._coldest(rows, rows.numel() - self.max_rows +
+            if rows.shape[0] > self.max_rows:
+                self._drop(self._coldest(rows, rows.shape[0] - self.max_rows +
                                          self.max_rows // 16))
                 kept = self.map.live()  # the rows kept: their counts age
-                kept = kept[self.map.columns["slot"][kept] >= 0]
-                self.map.columns["count"][kept] >>= 1
-            if waiting.numel() > self.max_rows:
-                self._drop(self._coldest(waiting, waiting.numel() - self.max_rows +
+                kept = kept[cols["slot"][kept] >= 0]
+                cols["count"][kept] >>= 1
+            if waiting.shape[0] > self.max_rows:
+                self._drop(self._coldest(waiting, waiting.shape[0] - self.max_rows +
                                          self.max_rows // 16))
 
-    def _coldest(self, positions: torch.Tensor, n: int) -> torch.Tensor:
+    def _coldest(self, positions: np.ndarray, n: int) -> np.ndarray:
         """The n positions seen least often, then least recently, then with the smallest id."""
-        positions = positions[torch.argsort(self.map.keys[positions], stable=True)]
         cols = self.map.columns
-        key = cols["count"][positions].long() << 32 | cols["last"][positions].long()
-        return positions[torch.argsort(key, stable=True)[:n]]
+        order = np.lexsort((self.map.keys[positions], cols["last"][positions],
+                            cols["count"][positions]))  # the last key sorts first
+        return positions[order[:n]]
 
-    def _drop(self, positions: torch.Tensor) -> None:
-        if not positions.numel():
+    def _drop(self, positions: np.ndarray) -> None:
+        if not positions.shape[0]:
             return
-        slot = self.map.columns["slot"][positions].long()
+        slot = self.map.columns["slot"][positions].astype(np.int64)
         freed = slot[slot >= 0]
-        self.free = torch.cat([self.free, freed])
-        self.rows_live -= freed.numel()
-        self.rows_evicted += freed.numel()
+        self.free = np.concatenate([self.free, freed])
+        self.rows_live -= freed.shape[0]
+        self.rows_evicted += freed.shape[0]
         self.map.remove(positions)
 
     # -- checkpoints and export -----------------------------------------------------------------
+    def _by_id(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every entry's position and id, by id ascending."""
+        live = self.map.live()
+        keys = self.map.keys[live]
+        order = np.argsort(keys, kind="stable")
+        return live[order], keys[order]
+
     def state(self) -> dict:
         """Everything the table holds, by id ascending (a copy): ids, their counts and last
         steps, which have rows; those rows' values and optimizer state; the counters."""
-        live = self.map.live()
-        ids, order = self.map.keys[live].sort()
-        live = live[order]
+        live, ids = self._by_id()
         cols = self.map.columns
-        slot = cols["slot"][live].long()
+        slot = cols["slot"][live].astype(np.int64)
         has = slot >= 0
-        rows = slot[has]
+        rows = torch.from_numpy(slot[has])
         opt = self.opt.state_dict()
-        return {"ids": ids, "count": cols["count"][live].clone(), "last": cols["last"][live].clone(),
-                "has_row": has, "weight": self.weight.index_select(0, rows),
+        return {"ids": torch.from_numpy(ids), "count": torch.from_numpy(cols["count"][live]),
+                "last": torch.from_numpy(cols["last"][live]), "has_row": torch.from_numpy(has),
+                "weight": self.weight.index_select(0, rows),
                 "optimizer": {k: (v.index_select(0, rows) if k in self.opt.per_row_state else v)
                               for k, v in opt.items()},
                 "counters": {"rows_created": self.rows_created,
@@ -184,33 +202,35 @@ class DynamicTable:
     def load(self, state: dict, take: torch.Tensor) -> None:
         """Add the entries `take` (a bool mask over state["ids"]) of a `state()` to this table
         (ids it does not hold yet): a checkpoint restored, with any number of servers."""
-        ids = state["ids"][take]
-        if not ids.numel():
+        take = take.numpy()
+        ids = state["ids"].numpy()[take]
+        if not ids.shape[0]:
             return
         pos = self.map.insert(ids)
         cols = self.map.columns
-        cols["count"][pos] = state["count"][take]
-        cols["last"][pos] = state["last"][take]
-        has = state["has_row"]
-        row_of = torch.cumsum(has.long(), 0) - 1  # entry -> its row in state["weight"]
+        cols["count"][pos] = state["count"].numpy()[take]
+        cols["last"][pos] = state["last"].numpy()[take]
+        has = state["has_row"].numpy()
+        row_of = np.cumsum(has) - 1  # entry -> its row in state["weight"]
         mine = has[take]
-        src = row_of[take][mine]
+        src = torch.from_numpy(row_of[take][mine])
         slots = self._allocate(int(mine.sum()))
-        self.weight[slots] = state["weight"].index_select(0, src)
+        at = torch.from_numpy(slots)
+        self.weight.index_copy_(0, at, state["weight"].index_select(0, src))
         for k in self.opt.per_row_state:
-            getattr(self.opt, k)[slots] = state["optimizer"][k].index_select(0, src)
+            getattr(self.opt, k).index_copy_(0, at, state["optimizer"][k].index_select(0, src))
         for k in self.opt.scalar_state:
             setattr(self.opt, k, type(getattr(self.opt, k))(state["optimizer"][k]))
-        slot = torch.full((ids.numel(),), -1, dtype=torch.int32)
-        slot[mine] = slots.int()
+        slot = np.full(ids.shape[0], -1, dtype=np.int32)
+        slot[mine] = slots
         cols["slot"][pos] = slot
-        self.rows_live += slots.numel()
+        self.rows_live += slots.shape[0]
 
     def export(self) -> dict:
         """The rows, by id: {"ids", "weight"} (ids with no row are left out: they read as their
         initial values)."""
-        live = self.map.live()
-        slot = self.map.columns["slot"][live].long()
+        live, ids = self._by_id()
+        slot = self.map.columns["slot"][live].astype(np.int64)
         has = slot >= 0
-        ids, order = self.map.keys[live][has].sort()
-        return {"ids": ids, "weight": self.weight.index_select(0, slot[has][order])}
+        return {"ids": torch.from_numpy(ids[has]),
+                "weight": self.weight.index_select(0, torch.from_numpy(slot[has]))}
