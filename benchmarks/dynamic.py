@@ -32,7 +32,7 @@ def _data(b) -> list[str]:
             f"data.test_samples={b.test_samples}", f"model.dim={b.dim}",
             f"model.bottom=[64,{b.dim}]", f"train.steps={b.steps}",
             f"train.batch_size={b.batch_size}", f"train.log_every={max(1, b.steps // 4)}",
-            "train.eval_every=0", f"cluster.num_workers={b.workers}",
+            "train.eval_every=0", "train.shuffle=false", f"cluster.num_workers={b.workers}",
             f"cluster.num_ps={b.num_ps}", *b.psrpc]
 
 

@@ -50,7 +50,8 @@ def _setup(cfg: Config, world: int, rank: int, own_tables: bool = True):
     model = factories.build_model(cfg, data, remote_tables=not own_tables)
     loss_fn = factories.build_loss(cfg, data)
     B = cfg.train.batch_size
-    batches = StepBatches(data.train, GlobalBatches(len(data.train), world * B, cfg.train.seed),
+    batches = StepBatches(data.train, GlobalBatches(len(data.train), world * B, cfg.train.seed,
+                                                    cfg.train.shuffle),
                           rank, B, torch.device("cpu"), cfg.data.get("num_workers", 0),
                           cfg.train.seed)
     return data, model, loss_fn, batches

@@ -194,6 +194,9 @@ class TrainConfig:
     """Per worker (data parallel) or per pipeline replica (model parallel)."""
     seed: int = MISSING
     """Seeds the model init, the synthetic data and the sample order."""
+    shuffle: bool = MISSING
+    """A new order of the training set every epoch (false: the dataset's own order, as a log
+    replayed in time)."""
     device: str = MISSING
     """auto (CUDA when present), cpu or cuda."""
     tf32: Optional[bool] = MISSING

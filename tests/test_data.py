@@ -100,3 +100,10 @@ def test_schedules_match_torch_lr_schedulers():
     assert [lr_factor(t, warm, steps) for t in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     linear = NS(**vars(opt), schedule="linear")
     assert lr_factor(0, linear, steps) == 1.0 and abs(lr_factor(steps, linear, steps) - 0.1) < 1e-12
+
+
+def test_unshuffled_batches_are_the_dataset_in_order_every_epoch():
+    b = GlobalBatches(10, 4, seed=3, shuffle=False)
+    assert b.indices(0).tolist() == [0, 1, 2, 3]
+    assert b.indices(2).tolist() == [8, 9, 0, 1]  # the next epoch starts over, in order
+    assert b.slice_for(1, 1, 2).tolist() == [6, 7]

@@ -101,7 +101,7 @@ class Replica:
         self.loss_fn = factories.build_loss(cfg, self.data)
         self.batch = cfg.train.batch_size
         self.order = GlobalBatches(len(self.data.train), topo.replicas * self.batch,
-                                   cfg.train.seed)
+                                   cfg.train.seed, cfg.train.shuffle)
         self.batches = StepBatches(self.data.train, self.order, self.replica, self.batch,
                                    self.device, cfg.data.get("num_workers", 0), cfg.train.seed)
         self.autocast = AMP_DTYPES[cfg.train.amp]
