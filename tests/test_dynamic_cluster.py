@@ -106,3 +106,11 @@ def test_resumed_equals_uninterrupted_into_another_number_of_ps(tmp_path, ttl_re
         assert second[0]["restored_from_step"] == 10 and second[0]["steps"] == 20
         _assert_equal(second, ttl_reference)
         assert second[0]["tables"] == ttl_reference[0]["tables"]
+
+
+def test_async_with_dynamic_tables_runs_to_the_end_under_the_cap(tmp_path):
+    summary, _, tables = _run(tmp_path, LFU + ["update=async", "cluster.num_workers=2",
+                                               "cluster.num_ps=2", "train.batch_size=32"])
+    assert summary["steps"] == 20 and all(s["version"] == 20 for s in summary["shards"])
+    assert all(t["rows_live"] <= 80 for t in summary["tables"].values())
+    assert all(torch.isfinite(bag.weight).all() for bag in tables.values())

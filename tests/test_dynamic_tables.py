@@ -11,7 +11,7 @@ import torch
 from psrpc.errors import PushRejected
 from psrpc.ps.tables import TableShard, TableShardSpec
 from psrpc.sparse import DynamicBag, HashPartition, TableSpec, init_ids, table_seed
-from psrpc.sparse.dynamic import DynamicTable
+from psrpc.sparse.dynamic import DynamicTables
 from psrpc.sparse.idmap import IdMap
 from tests.unit_helpers import sgd, sync
 
@@ -23,8 +23,38 @@ def ids(*values):
     return torch.tensor(values, dtype=torch.int64)
 
 
+class One:
+    """One dynamic table (SPEC, seed 7), through the servers' DynamicTables."""
+
+    def __init__(self, **kw):
+        self.group = DynamicTables([SPEC], {SPEC.name: 7}, "adagrad", ADAGRAD, **kw)
+        self.rows = self.group[SPEC.name]
+
+    def __getattr__(self, name):  # rows_live, weight, ...: the table's
+        return getattr(self.rows, name)
+
+    @property
+    def map(self):
+        return self.group.map
+
+    def lookup(self, x):
+        return self.group.lookup({SPEC.name: x})[SPEC.name]
+
+    def apply(self, x, grads, counts, step, lr):
+        self.group.apply({SPEC.name: (x, grads, counts)}, step, lr)
+
+    def state(self):
+        return self.group.state(SPEC.name)
+
+    def load(self, state, take):
+        self.group.load(SPEC.name, state, take)
+
+    def export(self):
+        return self.group.export(SPEC.name)
+
+
 def table(**kw):
-    return DynamicTable(SPEC, 7, "adagrad", ADAGRAD, **kw)
+    return One(**kw)
 
 
 def apply(t, step, id_list, counts=None, value=1.0):
@@ -39,26 +69,31 @@ def test_id_map_matches_a_dict_through_inserts_removals_and_rebuilds():
     for it in range(60):
         batch = rng.integers(-2**62, 2**62, 400)
         batch = np.unique(np.concatenate([batch, np.array(list(ref)[:40], dtype=np.int64)]))
-        pos = m.find(batch)
+        tags = np.zeros(batch.shape[0], dtype=np.int16)
+        pos = m.find(batch, tags)
         for i, p in zip(batch.tolist(), pos.tolist()):
             assert (p >= 0) == (i in ref)
             assert p < 0 or m.columns["v"][p] == ref[i]
         new = batch[pos < 0]
-        at = m.insert(new)  # (may rebuild: the columns are new arrays after it)
+        at = m.insert(new, tags[pos < 0])  # (may rebuild: the columns are new arrays after)
         m.columns["v"][at] = new % 1000
         ref.update({i: i % 1000 for i in new.tolist()})
         if it % 3 == 0:  # tombstones, and rebuilds that clear them
             gone = batch[:150]
-            m.remove(m.find(gone))
+            m.remove(m.find(gone, tags[:150]))
             for i in gone.tolist():
                 ref.pop(i)
         assert len(m) == len(ref)
     assert m.used <= 0.6 * m.capacity
     # sequential ids (a hash of the id, not its value, places them) and a crowded window
     seq = np.arange(5000, dtype=np.int64)
+    zero, one = np.zeros(5000, dtype=np.int16), np.ones(5000, dtype=np.int16)
     m2 = IdMap({})
-    m2.insert(seq)
-    assert (m2.find(seq) >= 0).all() and (m2.find(seq + 5000) < 0).all()
+    m2.insert(seq, zero)
+    assert (m2.find(seq, zero) >= 0).all() and (m2.find(seq + 5000, zero) < 0).all()
+    assert (m2.find(seq, one) < 0).all()  # the same ids of another table are other keys
+    m2.insert(seq, one)
+    assert len(m2) == 10000 and len(set(m2.find(seq, zero)) & set(m2.find(seq, one))) == 0
 
 
 def test_rows_start_from_a_hash_of_the_id_and_unknown_ids_create_nothing():
@@ -113,7 +148,7 @@ def test_lfu_keeps_at_most_max_rows_and_drops_the_least_often_seen():
         apply(t, step, hot + list(range(1000 + 30 * step, 1000 + 30 * step + 30)))
         assert t.rows_live <= 64
     assert t.weight.shape[0] <= 64 + 40  # storage: the cap and one round's new ids
-    assert (t.map.find(ids(*hot).numpy()) >= 0).all()  # the hot ids survive every pass
+    assert (t.map.find(ids(*hot).numpy(), np.zeros(10, dtype=np.int16)) >= 0).all()  # the hot ids survive every pass
     assert t.rows_created - t.rows_evicted == t.rows_live
 
 
@@ -177,7 +212,7 @@ def test_malformed_dynamic_pushes_are_refused_with_nothing_changed(case):
     grads = torch.ones(3, SPEC.dim)
     one = torch.ones(3, dtype=torch.int64)
     shard.push_pull(0, 0, {"user": (good, grads, one)}, 1.0, 1).wait()  # a good round first
-    before = (copy.deepcopy(shard.dynamic["user"].state()), shard.version)
+    before = (copy.deepcopy(shard.dynamic.state("user")), shard.version)
     payload = {
         "not-owned": {"user": (_owned(1, 2, 3), grads, one)},
         "negative-count": {"user": (good, grads, ids(1, -2, 1))},
@@ -191,7 +226,7 @@ def test_malformed_dynamic_pushes_are_refused_with_nothing_changed(case):
     assert {"not-owned": "does not own", "negative-count": "count of -2",
             "zero-count": "count of 0", "no-counts": "(ids, gradients, counts)",
             "unknown-table": "unknown table", "count-shape": "counts (2,)"}[case] in str(err.value)
-    after = shard.dynamic["user"].state()
+    after = shard.dynamic.state("user")
     assert shard.version == before[1]
     for key in ("ids", "count", "last", "has_row", "weight"):
         assert torch.equal(after[key], before[0][key])
@@ -214,3 +249,58 @@ def test_numpy_initialiser_equals_init_rows_bit_for_bit():
     x = torch.cat([torch.randint(-2**63, 2**63 - 1, (3000,)), torch.arange(-5, 5)])
     for dim, seed, scale in [(1, 0, 1.0), (16, 12345, 0.01), (33, -7, 0.0031622)]:
         assert torch.equal(init_ids(x, dim, seed, scale), init_ids_reference(x, dim, seed, scale))
+
+
+def test_tables_of_one_server_share_the_map_but_not_their_ids_rows_or_caps():
+    a, b = TableSpec("a", 100, 4, dynamic=True), TableSpec("b", 100, 4, dynamic=True)
+    group = DynamicTables([a, b], {"a": 1, "b": 2}, "adagrad", ADAGRAD, evict="lfu",
+                          max_rows=8)
+    one = torch.ones(3, dtype=torch.int64)
+    group.apply({"a": (ids(1, 2, 3), torch.ones(3, 4), one)}, 0, 0.1)
+    assert group["a"].rows_live == 3 and group["b"].rows_live == 0
+    got = group.lookup({"b": ids(1, 7), "a": ids(1, 9)})  # b's ids: no rows, b's initial values
+    assert torch.equal(got["b"], init_ids(ids(1, 7), 4, 2, b.init_scale))
+    assert torch.equal(got["a"][1], init_ids(ids(9), 4, 1, a.init_scale)[0])
+    assert not torch.equal(got["a"][0], init_ids(ids(1), 4, 1, a.init_scale)[0])
+    for step in range(1, 6):  # b fills past its cap; a keeps its three rows
+        group.apply({"b": (torch.arange(10 * step, 10 * step + 10), torch.ones(10, 4),
+                           torch.ones(10, dtype=torch.int64))}, step, 0.1)
+        assert group["b"].rows_live <= 8
+    assert group["a"].rows_live == 3 and group["a"].rows_evicted == 0
+    assert torch.equal(group.export("a")["ids"], ids(1, 2, 3))
+
+
+def test_one_server_and_two_hold_the_same_rows_through_rebuilds_of_the_map():
+    """Three tables, admission and ttl, 40 rounds of random ids: the map is rebuilt several
+    times (positions move) and every table's rows stay what one server per table would hold,
+    and what two servers holding half the ids each hold together."""
+    specs = [TableSpec(f"t{k}", 1000, 4, dynamic=True) for k in range(3)]
+    seeds = {s.name: 10 + k for k, s in enumerate(specs)}
+
+    def servers(tables):
+        return DynamicTables(tables, seeds, "adagrad", ADAGRAD, admit_after=2, evict="ttl",
+                             ttl_steps=5)
+
+    one, two = servers(specs), [servers(specs), servers(specs)]
+    alone = {s.name: servers([s]) for s in specs}
+    owner, g, capacity = HashPartition(2), torch.Generator().manual_seed(0), one.map.capacity
+    for step in range(40):
+        payload = {}
+        for s in specs:
+            x, c = torch.randint(0, 300, (64,), generator=g).unique(return_counts=True)
+            payload[s.name] = (x, torch.randn(x.numel(), 4, generator=g), c)
+        one.apply(payload, step, 0.1)
+        for name, group in alone.items():
+            group.apply({name: payload[name]}, step, 0.1)
+        for k, group in enumerate(two):
+            mine = {n: tuple(t[owner.owner(p[0])[0] == k] for t in p) for n, p in payload.items()}
+            group.apply(mine, step, 0.1)
+    assert one.map.capacity > capacity  # it grew (rebuilt) on the way
+    for s in specs:
+        ref = one.export(s.name)
+        for other in (alone[s.name].export(s.name),
+                      {k: torch.cat([g.export(s.name)[k] for g in two]) for k in ("ids",
+                                                                                  "weight")}):
+            order = other["ids"].argsort()
+            assert torch.equal(other["ids"][order], ref["ids"])
+            assert torch.equal(other["weight"][order], ref["weight"])

@@ -34,7 +34,7 @@ from psrpc.errors import PsrpcError, PushRejected
 from psrpc.optim.schedule import lr_factor
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.stats import ShardStats
-from psrpc.sparse.dynamic import DynamicTable
+from psrpc.sparse.dynamic import DynamicTables
 from psrpc.sparse.optim import build_sparse_optimizer
 from psrpc.sparse.rows import HashPartition, Partition, TableSpec, init_rows, table_seed
 
@@ -85,8 +85,7 @@ class TableShard(Shard):
         self.hashed = HashPartition(spec.num_ps)  # the dynamic tables' ids
         self.weights: dict[str, torch.Tensor] = {}
         self.row_optim = {}
-        self.dynamic: dict[str, DynamicTable] = {n: dynamic_table(t, spec) for n, t in
-                                                 self.specs.items() if t.dynamic}
+        self.dynamic = dynamic_tables([t for t in spec.tables if t.dynamic], spec)
         self.history: list[dict] = []  # dynamic tables: their rows and memory over the run
         for name, t in self.specs.items():
             if t.dynamic:
@@ -103,13 +102,17 @@ class TableShard(Shard):
     @property
     def numel(self) -> int:
         return (sum(w.numel() for w in self.weights.values())
-                + sum(t.rows_live * t.dim for t in self.dynamic.values()))
+                + sum(t.rows_live * t.dim for t in self.dynamic.tables.values()))
 
-    def _values(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """A copy of the rows' values (a dynamic table's ids with no row: initial values)."""
-        if name in self.dynamic:
-            return self.dynamic[name].lookup(rows)
-        return self.weights[name].index_select(0, rows)
+    def _values(self, requests: dict) -> dict:
+        """{table: rows} -> {table: a copy of their values} (the dynamic tables' ids in one
+        batch; those with no row: their initial values)."""
+        out = {n: self.weights[n].index_select(0, r) for n, r in requests.items()
+               if n not in self.dynamic}
+        asked = {n: r for n, r in requests.items() if n in self.dynamic}
+        if asked:
+            out.update(self.dynamic.lookup(asked))
+        return out
 
     # -- the verbs ---------------------------------------------------------------------------------
     def pull_rows(self, requests: dict) -> dict:
@@ -119,7 +122,7 @@ class TableShard(Shard):
         with self.lock:
             for name, rows in requests.items():
                 self._check_rows(name, rows, "pulled")
-                out[name] = self._values(name, rows)
+            out = self._values(requests)
         return out
 
     @comm.async_execution
@@ -145,7 +148,7 @@ class TableShard(Shard):
         with self.lock:
             if self.version != reply.version:
                 return reply
-            return replace(reply, rows={n: self._values(n, r) for n, r in ahead.items()})
+            return replace(reply, rows=self._values(ahead))
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
         with self.lock:
@@ -162,8 +165,9 @@ class TableShard(Shard):
                  "tables": {n: {"rows": self.partitions[n].global_rows(self.ps), "weight": w,
                                 "num_rows": self.specs[n].num_rows}
                             for n, w in self.weights.items()}}
-        for n, t in self.dynamic.items():  # rows by raw id, and how to make the others
-            state["tables"][n] = {**t.export(), "dynamic": True, "num_rows": t.spec.num_rows,
+        for n, t in self.dynamic.tables.items():  # rows by raw id, and how to make the others
+            state["tables"][n] = {**self.dynamic.export(n), "dynamic": True,
+                                  "num_rows": t.spec.num_rows,
                                   "seed": t.seed, "init_scale": t.spec.init_scale,
                                   "pooling": t.spec.pooling}
         folder = Path(out_dir) / "tables"
@@ -251,14 +255,15 @@ class TableShard(Shard):
         for name, opt in self.row_optim.items():  # every table, touched or not (see above)
             rows, grads = payload.get(name, (empty, _EMPTY.new_zeros(0, self.specs[name].dim)))
             opt.step(rows, grads, lr)
-        for name, table in self.dynamic.items():
-            rows, grads, counts = payload.get(name, (empty, _EMPTY.new_zeros(0, table.dim),
-                                                     empty))
-            table.apply(rows, grads, counts, self.version, lr)
-        if self.dynamic and self.version % max(1, self.total_steps // HISTORY_POINTS) == 0:
+        if not self.dynamic:
+            return
+        self.dynamic.apply({n: p for n, p in payload.items() if n in self.dynamic},
+                           self.version, lr)
+        if self.version % max(1, self.total_steps // HISTORY_POINTS) == 0:
             self.history.append({"step": self.version,
-                                 "rows_live": {n: t.rows_live for n, t in self.dynamic.items()},
-                                 "table_bytes": sum(t.nbytes() for t in self.dynamic.values()),
+                                 "rows_live": {n: t.rows_live
+                                               for n, t in self.dynamic.tables.items()},
+                                 "table_bytes": self.dynamic.nbytes(),
                                  "rss_bytes": psutil.Process().memory_info().rss})
 
     def count_step(self) -> None:
@@ -281,7 +286,7 @@ class TableShard(Shard):
                                "optimizer": {k: v.clone() if torch.is_tensor(v) else v
                                              for k, v in self.row_optim[n].state_dict().items()}}
                            for n, w in self.weights.items()},
-                "dynamic": {n: t.state() for n, t in self.dynamic.items()},
+                "dynamic": {n: self.dynamic.state(n) for n in self.dynamic.tables},
                 "num_ps": self.num_ps, "stats": asdict(self.stats)}
 
     def _restore(self, restore: dict) -> None:
@@ -320,14 +325,14 @@ class TableShard(Shard):
         (re-partitioned by id: any number of servers before and after). The counters of rows
         made and evicted are each server's own with the same servers, else all on ps0."""
         same = restore["num_ps"] == self.num_ps
-        for name, table in self.dynamic.items():
+        for name, table in self.dynamic.tables.items():
             saved = [f.get("dynamic", {}).get(name) for f in files]
             if any(s is None for s in saved):
                 raise PsrpcError(f"checkpoint step-{restore['step']} has no dynamic table "
                                  f"{name!r}: it was made for another model (or with the table "
                                  "fixed: sparse.dynamic differs)")
             for f, state in zip(files, saved):
-                table.load(state, self.hashed.owner(state["ids"])[0] == self.ps)
+                self.dynamic.load(name, state, self.hashed.owner(state["ids"])[0] == self.ps)
                 if (same and f.get("ps") == self.ps) or (not same and self.ps == 0):
                     table.rows_created += state["counters"]["rows_created"]
                     table.rows_evicted += state["counters"]["rows_evicted"]
@@ -342,7 +347,9 @@ class TableShard(Shard):
                              for n, w in self.weights.items()}
             out["tables"].update({n: {"rows_live": t.rows_live, "rows_created": t.rows_created,
                                       "rows_evicted": t.rows_evicted, "bytes": t.nbytes()}
-                                  for n, t in self.dynamic.items()})
+                                  for n, t in self.dynamic.tables.items()})
+            out["tables_bytes"] = (sum(w.nbytes for w in self.weights.values())
+                                   + self.dynamic.nbytes())  # the id map included
         out.update(process_memory(), history=list(self.history))
         return out
 
@@ -353,14 +360,16 @@ def process_memory() -> dict:
     return {"rss_bytes": psutil.Process().memory_info().rss, "peak_rss_bytes": peak}
 
 
-def dynamic_table(t: TableSpec, spec: TableShardSpec) -> DynamicTable:
-    """A dynamic table's part on server spec.ps: sparse.max_rows is the whole table's, so each
-    of P servers keeps at most ceil(max_rows / P) rows."""
+def dynamic_tables(tables: list[TableSpec], spec: TableShardSpec) -> DynamicTables:
+    """The dynamic tables' part on server spec.ps: sparse.max_rows is a whole table's, so each
+    of P servers keeps at most ceil(max_rows / P) rows of it."""
     sp = spec.sparse
-    cap = -(-sp.max_rows // spec.num_ps) if sp.max_rows else None
-    return DynamicTable(t, table_seed(spec.seed, t.name), sp.optimizer, sparse_hyper(sp),
-                        admit_after=sp.admit_after, evict=sp.evict, ttl_steps=sp.ttl_steps,
-                        max_rows=cap)
+    cap = -(-sp.max_rows // spec.num_ps) if getattr(sp, "max_rows", None) else None
+    return DynamicTables(tables, {t.name: table_seed(spec.seed, t.name) for t in tables},
+                         sp.optimizer, sparse_hyper(sp),
+                         admit_after=getattr(sp, "admit_after", 1),
+                         evict=getattr(sp, "evict", "none"),
+                         ttl_steps=getattr(sp, "ttl_steps", 0), max_rows=cap)
 
 
 def _check_counts(shard: str, worker: int, name: str, ids: torch.Tensor, counts) -> None:

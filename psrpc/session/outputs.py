@@ -154,7 +154,7 @@ def _tables(reports: list[dict]) -> dict:
     return {"tables": tables,
             "ps_memory": [{"ps": r["ps"], "rss_bytes": r["rss_bytes"],
                            "peak_rss_bytes": r["peak_rss_bytes"],
-                           "table_bytes": sum(t["bytes"] for t in r["tables"].values())}
+                           "table_bytes": r["tables_bytes"]}
                           for r in parts]}
 
 

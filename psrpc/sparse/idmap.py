@@ -1,9 +1,10 @@
-"""A map from raw int64 ids to entries, for the parameter server's dynamic tables: an
+"""A map from (table, raw int64 id) to entries, for the parameter server's dynamic tables (one map
+for every dynamic table of a server, so a step's lookups of all tables are one batch): an
 open-addressing hash table with linear probing, worked on a whole batch of ids at a time (each
 probe reads a window of WINDOW positions for every id at once), so a lookup of ten thousand ids
 costs a handful of array operations, not ten thousand dict calls.
 
-Every position has a key, a state (empty, live, or gone: a tombstone left by `remove`, which
+Every position has a key (the id and its table's tag), a state (empty, live, or gone: a tombstone left by `remove`, which
 lookups probe past and inserts reuse) and the caller's columns (`columns={"count": np.int32}`):
 arrays as long as the table, indexed by position, moved with their keys when the table is
 rebuilt. The table is rebuilt (grown, or cleaned of tombstones) before an insert would take it
@@ -23,6 +24,7 @@ MAX_LOAD = 0.6  # live + gone positions, at most this share of the table
 MIN_CAPACITY = 1024
 WINDOW = 16  # positions a probe reads at once
 FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio
+TAG_MIX = np.uint64(0xD6E8FEB86659FD93)  # a table's tag, spread before it is added to the id
 
 
 def _pow2(n: int) -> int:
@@ -38,6 +40,7 @@ class IdMap:
         self.capacity, self.mask = capacity, capacity - 1
         self.shift = np.uint64(64 - (capacity.bit_length() - 1))
         self.keys = np.zeros(capacity, dtype=np.int64)
+        self.tags = np.zeros(capacity, dtype=np.int16)
         self.state = np.zeros(capacity, dtype=np.int8)
         self.columns = {k: np.zeros(capacity, dtype=d) for k, d in self.dtypes.items()}
         self.size = 0  # live positions
@@ -47,26 +50,30 @@ class IdMap:
         return self.size
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.state.nbytes + sum(c.nbytes for c in self.columns.values())
+        return self.keys.nbytes + self.tags.nbytes + self.state.nbytes + sum(c.nbytes for c in self.columns.values())
 
-    def _home(self, ids: np.ndarray) -> np.ndarray:
-        """Fibonacci hashing (Knuth, TAOCP 6.4): the top bits of id × 2^64/φ, so sequential or
-        strided ids land far apart."""
-        with np.errstate(over="ignore"):
-            return ((ids.view(np.uint64) * FIBONACCI) >> self.shift).astype(np.int64)
+    def _home(self, ids: np.ndarray, tags: np.ndarray) -> np.ndarray:
+        """Fibonacci hashing (Knuth, TAOCP 6.4): the top bits of (id + tag·c) × 2^64/φ, so
+        sequential or strided ids land far apart, and one id of two tables too."""
+        key = ids.view(np.uint64) + tags.astype(np.uint64) * TAG_MIX  # (arrays wrap mod 2^64)
+        return ((key * FIBONACCI) >> self.shift).astype(np.int64)
 
     def _window(self, base: np.ndarray) -> np.ndarray:
         """(n, WINDOW) positions: each base position and the WINDOW - 1 after it."""
         return (base[:, None] + np.arange(WINDOW)) & self.mask
 
-    def find(self, ids: np.ndarray) -> np.ndarray:
-        """Each id's position, -1 where the id is not in the map."""
+    def find(self, ids: np.ndarray, tags: np.ndarray) -> np.ndarray:
+        """Each (tag, id)'s position, -1 where it is not in the map."""
         out = np.full(ids.shape[0], -1, dtype=np.int64)
-        base, todo, want = self._home(ids), None, ids
+        base, todo, want, wtag = self._home(ids, tags), None, ids, tags
         while True:
             pos = self._window(base)
             state = self.state[pos]
             hit = (state == LIVE) & (self.keys[pos] == want[:, None])
+            r, c = np.nonzero(hit)  # the same id of another table is another key
+            other = self.tags[pos[r, c]] != wtag[r]
+            if other.any():
+                hit[r[other], c[other]] = False
             stop = hit | (state == EMPTY)
             first = stop.argmax(1)  # the first stop (0 where there is none: `ended` says)
             rows = np.arange(first.shape[0])
@@ -81,18 +88,32 @@ class IdMap:
                 return out
             more = ~ended
             todo = np.flatnonzero(more) if todo is None else todo[more]
-            base, want = (base[more] + WINDOW) & self.mask, want[more]
+            base, want, wtag = (base[more] + WINDOW) & self.mask, want[more], wtag[more]
 
-    def insert(self, ids: np.ndarray) -> np.ndarray:
-        """Ids that are not in the map (unique: the caller checked with `find`) -> their new
-        positions; their columns are zero."""
+    def find_or_insert(self, ids: np.ndarray, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions of every (tag, id), the indices of those that were new): `find`, then
+        `insert` of the ones missing (unique ids). A rebuild moves every position, so it comes
+        first, and the lookup again."""
+        pos = self.find(ids, tags)
+        new = np.flatnonzero(pos < 0)
+        if new.shape[0]:
+            if self.used + new.shape[0] > MAX_LOAD * self.capacity:
+                self._rebuild(self.size + new.shape[0])
+                pos = self.find(ids, tags)
+            pos[new] = self.insert(ids[new], tags[new])
+        return pos, new
+
+    def insert(self, ids: np.ndarray, tags: np.ndarray) -> np.ndarray:
+        """(tag, id)s that are not in the map (unique: the caller checked with `find`) -> their
+        new positions; their columns are zero. May rebuild the table: positions found before
+        are stale after it (`find_or_insert` takes care of that)."""
         n = ids.shape[0]
         if not n:
             return np.empty(0, dtype=np.int64)
         if self.used + n > MAX_LOAD * self.capacity:
             self._rebuild(self.size + n)
         out = np.empty(n, dtype=np.int64)
-        base = self._home(ids)
+        base = self._home(ids, tags)
         todo = np.arange(n)
         while todo.shape[0]:
             pos = self._window(base)
@@ -105,11 +126,15 @@ class IdMap:
             # position together the first (lowest index) takes it, the others probe on from
             # there (taken now)
             cand = np.flatnonzero(seen)
-            _, first_of = np.unique(at[cand], return_index=True)  # first occurrence of each
-            won = cand[first_of]
+            order = np.argsort(at[cand], kind="stable")  # by position, then by index
+            ranked = at[cand][order]
+            lead = np.ones(ranked.shape[0], dtype=bool)
+            lead[1:] = ranked[1:] != ranked[:-1]  # the first of each position's run
+            won = cand[order[lead]]
             idx, where = todo[won], at[won]
             self.used += int((self.state[where] == EMPTY).sum())
             self.keys[where] = ids[idx]
+            self.tags[where] = tags[idx]
             self.state[where] = LIVE
             for col in self.columns.values():
                 col[where] = 0
@@ -134,9 +159,9 @@ class IdMap:
         """A table big enough for `need` live ids at two thirds of MAX_LOAD (so at least half as
         many inserts again before the next rebuild), without tombstones."""
         live = self.live()
-        keys = self.keys[live]
+        keys, tags = self.keys[live], self.tags[live]
         columns = {k: c[live] for k, c in self.columns.items()}
         self._allocate(_pow2(max(MIN_CAPACITY, int(need / (MAX_LOAD * 2 / 3)) + 1)))
-        at = self.insert(keys)
+        at = self.insert(keys, tags)
         for k, c in columns.items():
             self.columns[k][at] = c

@@ -205,11 +205,11 @@ class Partition:
 
 
 class HashPartition:
-    """A dynamic table's ids over `num_ps` servers: id i on server hash64(i) % P (a hash, not
-    the value: sequential ids spread evenly). An id is its own "local row": the server maps it
-    to storage itself. The same interface as `Partition` where the worker uses it."""
-
-    SALT = 0x1D5  # the partition's hash is apart from the initialiser's and the map's
+    """A dynamic table's ids over `num_ps` servers: id i on server (the bits 32..63 of
+    i × 2^64/φ) % P, Fibonacci hashing (a hash, not the value: sequential ids spread evenly;
+    three array operations, paid on every pull and push). An id is its own "local row": the
+    server maps it to storage itself. The same interface as `Partition` where the worker uses
+    it."""
 
     def __init__(self, num_ps: int):
         if num_ps <= 0:
@@ -221,8 +221,8 @@ class HashPartition:
         ids = ids.to(torch.int64)
         if self.num_ps == 1:
             return torch.zeros_like(ids), ids
-        h = hash64_np(ids.numpy(), self.SALT) >> np.uint64(1)
-        return torch.from_numpy((h % np.uint64(self.num_ps)).astype(np.int64)), ids
+        h = (ids.numpy().view(np.uint64) * np.uint64(GOLDEN % _U64)) >> np.uint64(32)
+        return torch.from_numpy((h % np.uint64(self.num_ps)).view(np.int64)), ids
 
     def split(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (positions, ids) pair per server, positions ascending (ids stay in the order
@@ -241,18 +241,33 @@ def partition_of(spec: "TableSpec", num_ps: int, strategy: str):
     return HashPartition(num_ps) if spec.dynamic else Partition(spec.num_rows, num_ps, strategy)
 
 
+_MIX1_NP, _MIX2_NP = np.uint64(MIX1 % _U64), np.uint64(MIX2 % _U64)
+_SHIFTS_NP = tuple(np.uint64(k) for k in (30, 27, 31, COLUMN_BITS, 64 - (63 - COLUMN_BITS)))
+
+
+def _mix64_np_(z: np.ndarray) -> np.ndarray:
+    """Stafford's Mix13 on a uint64 array, in place (array arithmetic wraps mod 2^64)."""
+    s30, s27, s31 = _SHIFTS_NP[:3]
+    z ^= z >> s30
+    z *= _MIX1_NP
+    z ^= z >> s27
+    z *= _MIX2_NP
+    z ^= z >> s31
+    return z
+
+
+def seed_offset(seed: int) -> np.uint64:
+    """What `hash64` adds to an id salted with `seed`, as a uint64."""
+    return np.uint64((mix64_int(seed) + GOLDEN) % _U64)
+
+
 def hash64_np(ids: np.ndarray, salt: int = 0) -> np.ndarray:
     """`hash64` on a NumPy int64 array, as uint64 (the same bits): for the parameter server's
     per-step work on a few hundred ids, where NumPy's fixed cost per operation is a third of
     torch's."""
     z = ids.astype(np.int64, copy=True).view(np.uint64)
-    with np.errstate(over="ignore"):
-        z += np.uint64((mix64_int(salt) + GOLDEN) % _U64)
-        for shift, mult in ((30, MIX1), (27, MIX2), (31, None)):
-            z ^= z >> np.uint64(shift)
-            if mult is not None:
-                z *= np.uint64(mult % _U64)
-    return z
+    z += seed_offset(salt)
+    return _mix64_np_(z)
 
 
 def init_ids(ids: torch.Tensor, dim: int, table_seed: int, scale: float) -> torch.Tensor:
@@ -260,20 +275,26 @@ def init_ids(ids: torch.Tensor, dim: int, table_seed: int, scale: float) -> torc
     47-bit hash of each id, so a row starts from the same values on any server, whenever it is
     created (and again after an eviction). Computed with NumPy, bit for bit `init_rows`
     (tests/test_dynamic_tables.py checks)."""
+    n = ids.numel()
+    return init_ids_np(ids.numpy(), dim, np.full(n, seed_offset(table_seed), dtype=np.uint64),
+                       np.full(n, scale / (1 << 23), dtype=np.float32))
+
+
+def init_ids_np(ids: np.ndarray, dim: int, offsets: np.ndarray,
+                factors: np.ndarray) -> torch.Tensor:
+    """`init_ids` of ids from several tables at once: each id's table as its `seed_offset`
+    and its `scale / 2^23` (float32)."""
     if not 0 < dim <= MAX_DIM:
         raise ValueError(f"init_ids: dim={dim} must lie in [1, {MAX_DIM}]")
-    key = hash64_np(ids.numpy(), table_seed) >> np.uint64(64 - (63 - COLUMN_BITS))
-    z = (key[:, None] << np.uint64(COLUMN_BITS)) + np.arange(dim, dtype=np.uint64)
-    offset = np.uint64((mix64_int(table_seed) + GOLDEN) % _U64)
-    with np.errstate(over="ignore"):
-        z += offset
-        for shift, mult in ((30, MIX1), (27, MIX2), (31, None)):
-            z ^= z >> np.uint64(shift)
-            if mult is not None:
-                z *= np.uint64(mult % _U64)
+    key = ids.astype(np.int64, copy=True).view(np.uint64)
+    key += offsets
+    key = _mix64_np_(key) >> _SHIFTS_NP[4]  # the top 47 bits of hash64(id, table seed)
+    z = (key[:, None] << _SHIFTS_NP[3]) + np.arange(dim, dtype=np.uint64)
+    z += offsets[:, None]
+    _mix64_np_(z)
     top = (z.view(np.int64) >> 40).astype(np.float32)  # the top 24 bits, signed, as init_rows
     top += np.float32(0.5)
-    top *= np.float32(scale / (1 << 23))
+    top *= factors[:, None]
     return torch.from_numpy(top)
 
 
