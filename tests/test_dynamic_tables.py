@@ -238,8 +238,9 @@ def test_pulls_of_unknown_ids_give_initial_values_and_create_no_row():
     got = shard.pull_rows({"user": x})["user"]
     assert torch.equal(got, init_ids(x, SPEC.dim, table_seed(0, "user"), SPEC.init_scale))
     assert shard.dynamic["user"].rows_live == 0
-    with pytest.raises(PushRejected, match="does not own"):
-        shard.pull_rows({"user": _owned(0, 2, 2)})
+    with pytest.raises(PushRejected, match="does not own"):  # a push of them is refused
+        shard.push_pull(0, 0, {"user": (_owned(0, 2, 2), torch.ones(2, SPEC.dim),
+                                        torch.ones(2, dtype=torch.int64))}, 1.0, 1).wait()
 
 
 def test_numpy_initialiser_equals_init_rows_bit_for_bit():

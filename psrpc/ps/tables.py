@@ -215,7 +215,10 @@ class TableShard(Shard):
             raise PushRejected(f"{self.name}: {who}{what} rows of {name!r} as "
                                f"{type(rows).__name__}; expected a 1-D int64 tensor")
         if name in self.dynamic:
-            if rows.numel() and not bool((self.hashed.owner(rows)[0] == self.ps).all()):
+            # pushes only: a pull of ids this server does not own changes nothing (it reads
+            # their initial values), and the owner's hash costs a tenth of a pull's work
+            if what == "pushed" and rows.numel() \
+                    and not (self.hashed.owner(rows)[0].numpy() == self.ps).all():
                 raise PushRejected(f"{self.name}: {who}{what} ids of {name!r} that this server "
                                    f"(ps{self.ps} of {self.num_ps}) does not own: ids go to "
                                    "server hash(id) % num_ps")
@@ -379,6 +382,7 @@ def _check_counts(shard: str, worker: int, name: str, ids: torch.Tensor, counts)
         shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else counts
         raise PushRejected(f"{shard}: worker{worker} pushed counts {shape} for {ids.numel()} "
                            f"ids of {name!r}; expected {ids.numel()} int64 counts")
-    if counts.numel() and int(counts.min()) < 1:
-        raise PushRejected(f"{shard}: worker{worker} pushed a count of {int(counts.min())} for "
+    low = int(counts.numpy().min()) if counts.numel() else 1
+    if low < 1:
+        raise PushRejected(f"{shard}: worker{worker} pushed a count of {low} for "
                            f"an id of {name!r}: counts are the samples that saw each id, ≥ 1")
