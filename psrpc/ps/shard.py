@@ -248,7 +248,7 @@ class Shard:
         # float32 in sum would be absurd); 20× cheaper than isfinite(grad).all()'s mask.
         return bool(torch.isfinite(grad.sum(dtype=torch.float32)))
 
-    def average(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def average(self, grads: list[torch.Tensor], workers=None) -> torch.Tensor:
         """The mean of a sync round's gradients, summed left to right (worker order) in
         float32."""
         if len(grads) == 1:

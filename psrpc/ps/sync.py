@@ -113,7 +113,7 @@ class SyncAggregator:
         try:
             if workers:
                 loss = sum(self._losses[w] for w in workers) / len(workers)
-                shard.step_optimizer(shard.average([self._grads[w] for w in workers]))
+                shard.step_optimizer(shard.average([self._grads[w] for w in workers], workers))
                 for w in workers:
                     shard.stats.applied(w, 0)
                 shard.stats.samples += self._samples

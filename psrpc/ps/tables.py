@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import psutil
 import torch
 
@@ -104,14 +105,14 @@ class TableShard(Shard):
         return (sum(w.numel() for w in self.weights.values())
                 + sum(t.rows_live * t.dim for t in self.dynamic.tables.values()))
 
-    def _values(self, requests: dict) -> dict:
+    def _values(self, requests: dict, worker: Optional[int] = None) -> dict:
         """{table: rows} -> {table: a copy of their values} (the dynamic tables' ids in one
         batch; those with no row: their initial values)."""
         out = {n: self.weights[n].index_select(0, r) for n, r in requests.items()
                if n not in self.dynamic}
         asked = {n: r for n, r in requests.items() if n in self.dynamic}
         if asked:
-            out.update(self.dynamic.lookup(asked))
+            out.update(self.dynamic.lookup(asked, worker))
         return out
 
     # -- the verbs ---------------------------------------------------------------------------------
@@ -140,15 +141,15 @@ class TableShard(Shard):
         except PushRejected as e:
             return comm.failed(e)
         return self.push_pull(worker, version, payload, loss, samples, ticket).then(
-            lambda f: self._with_rows(f.value(), ahead))
+            lambda f: self._with_rows(f.value(), ahead, worker))
 
-    def _with_rows(self, reply: Reply, ahead: dict) -> Reply:
+    def _with_rows(self, reply: Reply, ahead: dict, worker: int) -> Reply:
         """The reply with the rows asked ahead, read at its version (none if the shard has
         moved past it meanwhile: another round closed, with backup workers)."""
         with self.lock:
             if self.version != reply.version:
                 return reply
-            return replace(reply, rows=self._values(ahead))
+            return replace(reply, rows=self._values(ahead, worker))
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
         with self.lock:
@@ -232,12 +233,15 @@ class TableShard(Shard):
     def _finite(self, payload: dict) -> bool:
         return all(bool(torch.isfinite(item[1].sum())) for item in payload.values())
 
-    def average(self, payloads: list[dict]) -> dict:
+    def average(self, payloads: list[dict], workers: Optional[list[int]] = None) -> dict:
         """A sync round's row gradients: every gradient's rows in worker order, duplicates
-        summed (in that order: deterministic), divided by the number of gradients."""
+        summed (in that order: deterministic), divided by the number of gradients. A dynamic
+        table's ids come with their positions in the id map when the workers' lookups ahead
+        found them all (`workers`: whose payloads these are)."""
         out = {}
         for name in self.specs:
             parts = [p[name] for p in payloads if name in p]
+            whose = [w for w, p in zip(workers or [], payloads) if name in p]
             if not parts:
                 continue
             rows = torch.cat([p[0] for p in parts])
@@ -249,6 +253,11 @@ class TableShard(Shard):
             if name in self.dynamic:  # how many samples saw each id: summed, not averaged
                 counts = torch.zeros(unique.numel(), dtype=torch.int64)
                 out[name] += (counts.index_add_(0, inverse, torch.cat([p[2] for p in parts])),)
+                known = [self.dynamic.positions(w, name, p[0]) for w, p in zip(whose, parts)]
+                if whose and all(k is not None for k in known):
+                    pos = np.empty(unique.numel(), dtype=np.int64)
+                    pos[inverse.numpy()] = np.concatenate(known)
+                    out[name] += (pos,)
         return out
 
     def step_optimizer(self, payload: dict, lr_scale: float = 1.0) -> None:

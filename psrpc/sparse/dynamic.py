@@ -17,7 +17,7 @@ trained on, dropped when it goes cold. Pure table math, no RPC (psrpc/ps/tables.
   not trained on for `ttl_steps` steps (looked for every ttl_steps // 8 steps: an id goes
   between ttl_steps and 9/8 of it after its last training); `lfu` keeps at most `max_rows` rows
   of a table on this server, and when a round takes it past that, drops the least often seen (then the least recently, then the
-  smallest id) down to `max_rows - max_rows // 8`, so the pass is paid once every many rounds;
+  smallest id) down to `max_rows - max_rows // 4`, so the pass is paid once every many rounds;
   waiting counts are capped the same way. Each such pass halves the counts of the rows it keeps
   (TinyLFU's aging): ids that were popular long ago give way to today's. With `ttl` and
   admission every decision depends on one id's own history, so 1, 2 or 3 servers give the same bits; `lfu` compares ids that share
@@ -37,7 +37,7 @@ from psrpc.sparse.rows import TableSpec, init_ids, init_ids_np, seed_offset
 
 EVICTIONS = ("none", "ttl", "lfu")
 CHUNK_ROWS = 4096  # storage grows by at least this many rows (or half of what it holds)
-LOW_WATER = 8  # lfu: a pass evicts down to max_rows - max_rows // LOW_WATER
+LOW_WATER = 4  # lfu: a pass evicts down to max_rows - max_rows // LOW_WATER
 
 
 COLUMNS = {"count": np.int32, "last": np.int32, "slot": np.int32}
@@ -119,6 +119,9 @@ class DynamicTables:
         self._factors = np.array([t.spec.init_scale / (1 << 23) for t in self._by_tag],
                                  dtype=np.float32)
         self._dims = {t.dim for t in self._by_tag}
+        # per worker, the positions its last lookup found, at the map's generation then: the ids
+        # a worker asks ahead for are the ids it pushes next (sync), which need not be found again
+        self._asked: dict[int, tuple[int, dict]] = {}
 
     def _initial(self, ids: np.ndarray, tags: np.ndarray) -> list[torch.Tensor]:
         """Initial values of ids of several tables, computed in one batch when the tables have
@@ -158,11 +161,21 @@ class DynamicTables:
         slot[pos < 0] = -1
         return slot
 
-    def lookup(self, requests: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def lookup(self, requests: dict[str, torch.Tensor],
+               worker: Optional[int] = None) -> dict[str, torch.Tensor]:
         """{table: ids} -> {table: (U, dim) values}: their rows, or their initial values where
-        they have none (nothing is created)."""
+        they have none (nothing is created). With `worker`, the positions found are kept for
+        `positions` (what that worker will push next)."""
         names, ids, tags = self._keys(requests)
-        slot = self._slots(self.map.find(ids, tags))
+        pos = self.map.find(ids, tags)
+        slot = self._slots(pos)
+        if worker is not None:
+            found, start = {}, 0
+            for name in names:
+                n = requests[name].numel()
+                found[name] = (requests[name], pos[start:start + n])
+                start += n
+            self._asked[worker] = (self.map.generation, found)
         missing = slot < 0
         initial = self._initial(ids[missing], tags[missing]) if missing.any() else None
         out, start = {}, 0
@@ -173,15 +186,26 @@ class DynamicTables:
             start += n
         return out
 
+    def positions(self, worker: int, name: str, ids: torch.Tensor) -> Optional[np.ndarray]:
+        """Where `worker`'s last lookup found these ids of table `name` (-1: absent), if the
+        map has not changed since and they are the ids it looked up; else None."""
+        generation, found = self._asked.get(worker, (None, {}))
+        got = found.get(name)
+        if generation != self.map.generation or got is None or not torch.equal(got[0], ids):
+            return None
+        return got[1]
+
     def apply(self, payload: dict, step: int, lr: float) -> None:
         """One update of every table: {table: (unique ids, their summed gradients, how many
-        samples saw each)} at global step `step` (a table not in it is stepped with no rows).
+        samples saw each[, their `positions`])} at global step `step` (a table not in it is stepped with no rows).
         Counts and recency first, then admission, then each table's optimizer on the rows that
         exist; then eviction."""
         given = {n: p for n, p in payload.items() if p[0].numel()}
         if given:
             names, ids, tags = self._keys({n: p[0] for n, p in given.items()})
-            pos, new = self.map.find_or_insert(ids, tags)
+            known = [given[n][3] if len(given[n]) > 3 else None for n in names]
+            known = np.concatenate(known) if all(k is not None for k in known) else None
+            pos, new = self.map.find_or_insert(ids, tags, known)
             if new.shape[0]:
                 self.map.columns["slot"][pos[new]] = -1
                 for tag, n in enumerate(np.bincount(tags[new], minlength=len(self._by_tag))):
@@ -235,16 +259,19 @@ class DynamicTables:
             live = self.map.live()
             self._drop(live[(step - cols["last"][live].astype(np.int64)) >= self.ttl_steps])
         elif self.evict == "lfu":
-            for table in self._by_tag:
-                if max(table.rows_live, table.entries - table.rows_live) > table.max_rows:
-                    self._lfu(table)
+            due = [t for t in self._by_tag
+                   if max(t.rows_live, t.entries - t.rows_live) > t.max_rows]
+            if due:  # one scan of the map for every table due
+                live = self.map.live()
+                tags, slot = self.map.tags[live], cols["slot"][live]
+                for table in due:
+                    mine = tags == table.tag
+                    self._lfu(table, live[mine & (slot >= 0)], live[mine & (slot < 0)])
 
-    def _lfu(self, table: TableRows) -> None:
+    def _lfu(self, table: TableRows, rows: np.ndarray, waiting: np.ndarray) -> None:
+        """A table's entries over its cap: the coldest rows out, the kept rows' counts halved;
+        the same for the ids still waiting for a row."""
         cols, cap = self.map.columns, table.max_rows
-        live = self.map.live()
-        live = live[self.map.tags[live] == table.tag]
-        slot = cols["slot"][live]
-        rows, waiting = live[slot >= 0], live[slot < 0]
         if rows.shape[0] > cap:
             self._drop(self._coldest(rows, rows.shape[0] - cap + cap // LOW_WATER))
             kept = rows[self.map.state[rows] == LIVE]  # the rows kept: their counts age

@@ -17,12 +17,14 @@ an operation's fixed cost is what counts, and NumPy's fancy indexing costs a ten
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 EMPTY, LIVE, GONE = 0, 1, 2
 MAX_LOAD = 0.6  # live + gone positions, at most this share of the table
 MIN_CAPACITY = 1024
-WINDOW = 16  # positions a probe reads at once
+WINDOW = 8  # positions a probe reads at once (a 64-byte line of keys)
 FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio
 TAG_MIX = np.uint64(0xD6E8FEB86659FD93)  # a table's tag, spread before it is added to the id
 
@@ -45,6 +47,7 @@ class IdMap:
         self.columns = {k: np.zeros(capacity, dtype=d) for k, d in self.dtypes.items()}
         self.size = 0  # live positions
         self.used = 0  # live or gone
+        self.generation = getattr(self, "generation", 0) + 1  # positions found before are stale
 
     def __len__(self) -> int:
         return self.size
@@ -90,11 +93,12 @@ class IdMap:
             todo = np.flatnonzero(more) if todo is None else todo[more]
             base, want, wtag = (base[more] + WINDOW) & self.mask, want[more], wtag[more]
 
-    def find_or_insert(self, ids: np.ndarray, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(positions of every (tag, id), the indices of those that were new): `find`, then
-        `insert` of the ones missing (unique ids). A rebuild moves every position, so it comes
-        first, and the lookup again."""
-        pos = self.find(ids, tags)
+    def find_or_insert(self, ids: np.ndarray, tags: np.ndarray,
+                       known: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """(positions of every (tag, id), the indices of those that were new): `find` (or
+        `known`, what a `find` at this `generation` gave), then `insert` of the ones missing
+        (unique ids). A rebuild moves every position, so it comes first, and the lookup again."""
+        pos = self.find(ids, tags) if known is None else known.copy()
         new = np.flatnonzero(pos < 0)
         if new.shape[0]:
             if self.used + new.shape[0] > MAX_LOAD * self.capacity:
@@ -112,6 +116,7 @@ class IdMap:
             return np.empty(0, dtype=np.int64)
         if self.used + n > MAX_LOAD * self.capacity:
             self._rebuild(self.size + n)
+        self.generation += 1
         out = np.empty(n, dtype=np.int64)
         base = self._home(ids, tags)
         todo = np.arange(n)
@@ -150,6 +155,7 @@ class IdMap:
         """Live positions -> gone (their slots in every column are left as they are)."""
         self.state[positions] = GONE
         self.size -= positions.shape[0]
+        self.generation += 1
 
     def live(self) -> np.ndarray:
         """Every live position, ascending."""
