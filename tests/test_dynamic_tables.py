@@ -305,3 +305,14 @@ def test_one_server_and_two_hold_the_same_rows_through_rebuilds_of_the_map():
             order = other["ids"].argsort()
             assert torch.equal(other["ids"][order], ref["ids"])
             assert torch.equal(other["weight"][order], ref["weight"])
+
+
+def test_the_hot_row_cache_is_refused_with_dynamic_tables_naming_the_key():
+    from psrpc.errors import ConfigError
+    from tests.conftest import compose
+    from tests.test_sparse_cluster import CLICKS
+
+    with pytest.raises(ConfigError, match=r"sparse.cache_rows=100: the hot-row cache serves "
+                                          r"fixed tables only"):
+        compose(CLICKS + ["sparse.dynamic=true", "sparse.cache_rows=100",
+                          "sparse.cache_staleness=2"])
