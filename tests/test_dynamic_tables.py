@@ -316,3 +316,20 @@ def test_the_hot_row_cache_is_refused_with_dynamic_tables_naming_the_key():
                                           r"fixed tables only"):
         compose(CLICKS + ["sparse.dynamic=true", "sparse.cache_rows=100",
                           "sparse.cache_staleness=2"])
+
+
+def test_a_rounds_lookups_ahead_answered_together_equal_pulls_after_the_round():
+    """Two workers push and ask for their next rows: the first reply looks both up in one
+    batch; each gets what a pull of its ids reads once the round has closed."""
+    shard = TableShard(TableShardSpec(0, torch.empty(0), sgd(lr=1.0), sync(), 2, 1000, ps=0,
+                                      num_ps=1, tables=[SPEC], seed=0, sparse=_shard().sparse))
+    one = torch.ones(3, dtype=torch.int64)
+    pushes = [ids(1, 2, 3), ids(2, 5, 8)]
+    nxt = [ids(1, 9, 40), ids(3, 8, 77)]
+    futures = [shard.push_pull_rows(w, 0, {"user": (pushes[w], torch.ones(3, SPEC.dim), one)},
+                                    1.0, 1, None, {"user": nxt[w]}) for w in range(2)]
+    replies = [f.wait() for f in futures]
+    for w in range(2):
+        assert replies[w].version == 1
+        assert torch.equal(replies[w].rows["user"], shard.pull_rows({"user": nxt[w]})["user"])
+    assert shard.dynamic.positions(0, "user", nxt[0]) is not None  # kept for the next round

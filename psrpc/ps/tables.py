@@ -19,13 +19,11 @@ the result must not depend on how rows are spread over servers).
 from __future__ import annotations
 
 import logging
-import resource
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import psutil
 import torch
 
 from psrpc.checkpoint import write_atomic
@@ -35,8 +33,8 @@ from psrpc.errors import PsrpcError, PushRejected
 from psrpc.optim.schedule import lr_factor
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.stats import ShardStats
-from psrpc.sparse.dynamic import DynamicTables
-from psrpc.sparse.optim import build_sparse_optimizer
+from psrpc.ps.dynamic import DynamicParts, check_counts, dynamic_tables, process_memory
+from psrpc.sparse.optim import build_sparse_optimizer, sparse_hyper
 from psrpc.sparse.rows import HashPartition, Partition, TableSpec, init_rows, table_seed
 
 log = logging.getLogger(__name__)
@@ -61,16 +59,7 @@ class TableShardSpec(ShardSpec):
     restore: Optional[dict] = None  # {"paths": [old tables files], "partition", "num_ps"}
 
 
-def sparse_hyper(sparse) -> dict:
-    """The row optimizer's hyperparameters from the sparse config."""
-    if sparse.optimizer == "sgd":
-        return {"weight_decay": sparse.weight_decay}
-    if sparse.optimizer == "adagrad":
-        return {"eps": sparse.eps, "weight_decay": sparse.weight_decay}
-    return {"betas": tuple(sparse.betas), "eps": sparse.eps}
-
-
-class TableShard(Shard):
+class TableShard(DynamicParts, Shard):
     def __init__(self, spec: TableShardSpec):
         self._restored_stats: Optional[dict] = None
         super().__init__(spec)
@@ -86,8 +75,11 @@ class TableShard(Shard):
         self.hashed = HashPartition(spec.num_ps)  # the dynamic tables' ids
         self.weights: dict[str, torch.Tensor] = {}
         self.row_optim = {}
-        self.dynamic = dynamic_tables([t for t in spec.tables if t.dynamic], spec)
+        self.dynamic = dynamic_tables([t for t in spec.tables if t.dynamic], spec.seed,
+                                      spec.sparse, spec.num_ps)
         self.history: list[dict] = []  # dynamic tables: their rows and memory over the run
+        self._aheads: dict[int, dict] = {}  # worker -> the rows it asked ahead for (pending)
+        self._looked_up: dict[int, tuple] = {}  # worker -> (version, the values looked up)
         for name, t in self.specs.items():
             if t.dynamic:
                 continue
@@ -140,6 +132,8 @@ class TableShard(Shard):
                 self._check_rows(name, rows, "asked for", worker)
         except PushRejected as e:
             return comm.failed(e)
+        if self.dynamic:  # the round's lookups ahead are answered together (_with_rows)
+            self._aheads[worker] = ahead
         return self.push_pull(worker, version, payload, loss, samples, ticket).then(
             lambda f: self._with_rows(f.value(), ahead, worker))
 
@@ -149,6 +143,8 @@ class TableShard(Shard):
         with self.lock:
             if self.version != reply.version:
                 return reply
+            if self.dynamic:
+                return replace(reply, rows=self._ahead_rows(worker, ahead))
             return replace(reply, rows=self._values(ahead, worker))
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
@@ -194,7 +190,7 @@ class TableShard(Shard):
             rows, grads = item[:2]
             self._check_rows(name, rows, "pushed", worker)
             if size == 3:
-                _check_counts(self.name, worker, name, rows, item[2])
+                check_counts(self.name, worker, name, rows, item[2])
             dim = self.specs[name].dim
             if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 \
                     or grads.shape != (rows.numel(), dim) or grads.device.type != "cpu" \
@@ -203,7 +199,8 @@ class TableShard(Shard):
                 raise PushRejected(f"{self.name}: worker{worker} pushed gradients {shape} for "
                                    f"{rows.numel()} rows of {name!r}; expected a float32 CPU "
                                    f"tensor ({rows.numel()}, {dim})")
-            if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            ids = rows.numpy()  # (NumPy: a tenth of torch's fixed cost on a few hundred ids)
+            if ids.shape[0] > 1 and not (ids[1:] > ids[:-1]).all():
                 raise PushRejected(f"{self.name}: worker{worker} pushed rows of {name!r} that are "
                                    "not unique and ascending (coalesce duplicate ids first)")
 
@@ -219,7 +216,7 @@ class TableShard(Shard):
             # pushes only: a pull of ids this server does not own changes nothing (it reads
             # their initial values), and the owner's hash costs a tenth of a pull's work
             if what == "pushed" and rows.numel() \
-                    and not (self.hashed.owner(rows)[0].numpy() == self.ps).all():
+                    and not (self.hashed.servers(rows.numpy()) == self.ps).all():
                 raise PushRejected(f"{self.name}: {who}{what} ids of {name!r} that this server "
                                    f"(ps{self.ps} of {self.num_ps}) does not own: ids go to "
                                    "server hash(id) % num_ps")
@@ -271,12 +268,7 @@ class TableShard(Shard):
             return
         self.dynamic.apply({n: p for n, p in payload.items() if n in self.dynamic},
                            self.version, lr)
-        if self.version % max(1, self.total_steps // HISTORY_POINTS) == 0:
-            self.history.append({"step": self.version,
-                                 "rows_live": {n: t.rows_live
-                                               for n, t in self.dynamic.tables.items()},
-                                 "table_bytes": self.dynamic.nbytes(),
-                                 "rss_bytes": psutil.Process().memory_info().rss})
+        self._record(HISTORY_POINTS)
 
     def count_step(self) -> None:
         """A step with no rows: each table counts it (LazyAdam), as for a round that touched
@@ -332,23 +324,6 @@ class TableShard(Shard):
         if same and mine:
             self._restored_stats = dict(mine[0]["stats"])
 
-    def _restore_dynamic(self, files: list, restore: dict) -> None:
-        """Each dynamic table's ids that this server owns now, from every old server's file
-        (re-partitioned by id: any number of servers before and after). The counters of rows
-        made and evicted are each server's own with the same servers, else all on ps0."""
-        same = restore["num_ps"] == self.num_ps
-        for name, table in self.dynamic.tables.items():
-            saved = [f.get("dynamic", {}).get(name) for f in files]
-            if any(s is None for s in saved):
-                raise PsrpcError(f"checkpoint step-{restore['step']} has no dynamic table "
-                                 f"{name!r}: it was made for another model (or with the table "
-                                 "fixed: sparse.dynamic differs)")
-            for f, state in zip(files, saved):
-                self.dynamic.load(name, state, self.hashed.owner(state["ids"])[0] == self.ps)
-                if (same and f.get("ps") == self.ps) or (not same and self.ps == 0):
-                    table.rows_created += state["counters"]["rows_created"]
-                    table.rows_evicted += state["counters"]["rows_evicted"]
-
     def report(self) -> dict:
         """The shard's report, with each table's rows (a fixed table: all of its rows here) and
         this process's memory: resident now and at its peak."""
@@ -364,34 +339,3 @@ class TableShard(Shard):
                                    + self.dynamic.nbytes())  # the id map included
         out.update(process_memory(), history=list(self.history))
         return out
-
-
-def process_memory() -> dict:
-    """This process's resident memory now and its peak (psutil; the peak from getrusage)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"rss_bytes": psutil.Process().memory_info().rss, "peak_rss_bytes": peak}
-
-
-def dynamic_tables(tables: list[TableSpec], spec: TableShardSpec) -> DynamicTables:
-    """The dynamic tables' part on server spec.ps: sparse.max_rows is a whole table's, so each
-    of P servers keeps at most ceil(max_rows / P) rows of it."""
-    sp = spec.sparse
-    cap = -(-sp.max_rows // spec.num_ps) if getattr(sp, "max_rows", None) else None
-    return DynamicTables(tables, {t.name: table_seed(spec.seed, t.name) for t in tables},
-                         sp.optimizer, sparse_hyper(sp),
-                         admit_after=getattr(sp, "admit_after", 1),
-                         evict=getattr(sp, "evict", "none"),
-                         ttl_steps=getattr(sp, "ttl_steps", 0), max_rows=cap)
-
-
-def _check_counts(shard: str, worker: int, name: str, ids: torch.Tensor, counts) -> None:
-    """A dynamic table's counts: int64, one per id, each at least 1 (the samples that saw it)."""
-    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 \
-            or counts.shape != ids.shape:
-        shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else counts
-        raise PushRejected(f"{shard}: worker{worker} pushed counts {shape} for {ids.numel()} "
-                           f"ids of {name!r}; expected {ids.numel()} int64 counts")
-    low = int(counts.numpy().min()) if counts.numel() else 1
-    if low < 1:
-        raise PushRejected(f"{shard}: worker{worker} pushed a count of {low} for "
-                           f"an id of {name!r}: counts are the samples that saw each id, ≥ 1")

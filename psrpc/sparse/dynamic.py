@@ -166,24 +166,34 @@ class DynamicTables:
         """{table: ids} -> {table: (U, dim) values}: their rows, or their initial values where
         they have none (nothing is created). With `worker`, the positions found are kept for
         `positions` (what that worker will push next)."""
-        names, ids, tags = self._keys(requests)
+        return self.lookup_many({worker: requests})[worker]
+
+    def lookup_many(self, asks: dict) -> dict:
+        """`lookup` of several workers' requests in one batch: {worker: {table: ids}} ->
+        {worker: {table: values}} (a synchronous round answers every worker at once)."""
+        segments = [(w, n, ids) for w, req in asks.items() for n, ids in req.items()]
+        if not segments:
+            return {w: {} for w in asks}
+        ids = np.concatenate([i.numpy() for _, _, i in segments])
+        tags = np.concatenate([np.full(i.numel(), self.tables[n].tag, dtype=np.int16)
+                               for _, n, i in segments])
         pos = self.map.find(ids, tags)
         slot = self._slots(pos)
-        if worker is not None:
-            found, start = {}, 0
-            for name in names:
-                n = requests[name].numel()
-                found[name] = (requests[name], pos[start:start + n])
-                start += n
-            self._asked[worker] = (self.map.generation, found)
         missing = slot < 0
         initial = self._initial(ids[missing], tags[missing]) if missing.any() else None
-        out, start = {}, 0
-        for name in names:
-            n, table = requests[name].numel(), self.tables[name]
-            out[name] = table.values(slot[start:start + n],
-                                     initial[table.tag] if initial is not None else None)
+        cursor = [0] * len(self._by_tag)  # how far into each table's block of initial values
+        out, found, start = {w: {} for w in asks}, {w: {} for w in asks}, 0
+        for w, name, req in segments:
+            n, table = req.numel(), self.tables[name]
+            part = slot[start:start + n]
+            found[w][name] = (req, pos[start:start + n])
+            k, at = int((part < 0).sum()), cursor[table.tag]
+            cursor[table.tag] += k
+            out[w][name] = table.values(part, initial[table.tag][at:at + k] if k else None)
             start += n
+        for w in asks:
+            if w is not None:
+                self._asked[w] = (self.map.generation, found[w])
         return out
 
     def positions(self, worker: int, name: str, ids: torch.Tensor) -> Optional[np.ndarray]:

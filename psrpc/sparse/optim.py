@@ -198,3 +198,12 @@ def build_sparse_optimizer(name: str, weight: torch.Tensor, **hyper) -> RowOptim
         valid = [p for p in inspect.signature(cls).parameters if p != "weight"]
         raise ValueError(f"sparse optimizer {name!r}: {e}; its hyperparameters are "
                          f"{valid}") from None
+
+
+def sparse_hyper(sparse) -> dict:
+    """The row optimizer's hyperparameters from the sparse config."""
+    if sparse.optimizer == "sgd":
+        return {"weight_decay": sparse.weight_decay}
+    if sparse.optimizer == "adagrad":
+        return {"eps": sparse.eps, "weight_decay": sparse.weight_decay}
+    return {"betas": tuple(sparse.betas), "eps": sparse.eps}

@@ -221,8 +221,12 @@ class HashPartition:
         ids = ids.to(torch.int64)
         if self.num_ps == 1:
             return torch.zeros_like(ids), ids
-        h = (ids.numpy().view(np.uint64) * np.uint64(GOLDEN % _U64)) >> np.uint64(32)
-        return torch.from_numpy((h % np.uint64(self.num_ps)).view(np.int64)), ids
+        return torch.from_numpy(self.servers(ids.numpy())), ids
+
+    def servers(self, ids: np.ndarray) -> np.ndarray:
+        """Each int64 id's server, as a NumPy int64 array."""
+        h = (ids.view(np.uint64) * np.uint64(GOLDEN % _U64)) >> np.uint64(32)
+        return (h % np.uint64(self.num_ps)).view(np.int64)
 
     def split(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (positions, ids) pair per server, positions ascending (ids stay in the order
