@@ -205,7 +205,7 @@ def _owned(ps, num_ps, n):
 
 
 @pytest.mark.parametrize("case", ["not-owned", "negative-count", "zero-count", "no-counts",
-                                  "unknown-table", "count-shape"])
+                                  "unknown-table", "count-shape", "huge-count", "sparse-ids"])
 def test_malformed_dynamic_pushes_are_refused_with_nothing_changed(case):
     shard = _shard()
     good = _owned(0, 2, 3)
@@ -220,12 +220,16 @@ def test_malformed_dynamic_pushes_are_refused_with_nothing_changed(case):
         "no-counts": {"user": (good, grads)},
         "unknown-table": {"users": (good, grads, one)},
         "count-shape": {"user": (good, grads, ids(1, 1))},
+        "huge-count": {"user": (good, grads, ids(1, 2**31, 1))},
+        "sparse-ids": {"user": (good.to_sparse(), grads, one)},
     }[case]
     with pytest.raises(PushRejected) as err:
         shard.push_pull(0, 1, payload, 1.0, 1).wait()
     assert {"not-owned": "does not own", "negative-count": "count of -2",
             "zero-count": "count of 0", "no-counts": "(ids, gradients, counts)",
-            "unknown-table": "unknown table", "count-shape": "counts (2,)"}[case] in str(err.value)
+            "unknown-table": "unknown table", "count-shape": "counts (2,)",
+            "huge-count": "count of 2147483648", "sparse-ids": "dense CPU tensor"}[case] \
+        in str(err.value)
     after = shard.dynamic.state("user")
     assert shard.version == before[1]
     for key in ("ids", "count", "last", "has_row", "weight"):
@@ -333,3 +337,17 @@ def test_a_rounds_lookups_ahead_answered_together_equal_pulls_after_the_round():
         assert replies[w].version == 1
         assert torch.equal(replies[w].rows["user"], shard.pull_rows({"user": nxt[w]})["user"])
     assert shard.dynamic.positions(0, "user", nxt[0]) is not None  # kept for the next round
+
+
+def test_a_server_restored_with_no_ids_of_a_table_keeps_its_optimizer_step_count():
+    """Lazy Adam's bias correction counts the table's steps: a server that the new partition
+    gives none of a table's ids must still restore the count."""
+    def adam():
+        return DynamicTables([SPEC], {SPEC.name: 7}, "adam", {"betas": (0.9, 0.999), "eps": 1e-8})
+
+    t = adam()
+    for step in range(10):
+        t.apply({SPEC.name: (ids(5), torch.ones(1, SPEC.dim), ids(1))}, step, 0.1)
+    empty = adam()
+    empty.load(SPEC.name, t.state(SPEC.name), torch.zeros(1, dtype=torch.bool))
+    assert empty[SPEC.name].opt.step_count == t[SPEC.name].opt.step_count == 10

@@ -16,6 +16,9 @@ from psrpc.sparse.optim import sparse_hyper
 from psrpc.sparse.rows import TableSpec, table_seed
 
 
+MAX_COUNT = 2**31 - 1  # a push's count for one id (the map keeps counts in int32)
+
+
 class DynamicParts:
     """Mixed into TableShard: uses its lock, version, dynamic tables and partition."""
 
@@ -24,9 +27,9 @@ class DynamicParts:
         looks up every waiting worker's rows in one batch, the others take theirs from it.
         Caller holds the lock."""
         done = self._looked_up.pop(worker, None)
-        if done is not None and done[0] == self.version:
-            return done[1]
-        asks = {w: a for w, a in self._aheads.items()}
+        if done is not None and done[0] == self.version and done[1] is ahead:
+            return done[2]  # looked up with another worker's, for this very request
+        asks = dict(self._aheads)
         asks[worker] = ahead
         self._aheads.clear()
         fixed = {w: {n: r for n, r in a.items() if n not in self.dynamic} for w, a in asks.items()}
@@ -37,7 +40,7 @@ class DynamicParts:
             if w == worker:
                 mine = values
             else:
-                self._looked_up[w] = (self.version, values)
+                self._looked_up[w] = (self.version, asks[w], values)
         return mine
 
     def _record(self, points: int) -> None:
@@ -61,6 +64,7 @@ class DynamicParts:
                 raise PsrpcError(f"checkpoint step-{restore['step']} has no dynamic table "
                                  f"{name!r}: it was made for another model (or with the table "
                                  "fixed: sparse.dynamic differs)")
+            self.dynamic.set_scalars(name, saved[0]["optimizer"])  # (with or without ids here)
             for f, state in zip(files, saved):
                 self.dynamic.load(name, state, self.hashed.owner(state["ids"])[0] == self.ps)
                 if (same and f.get("ps") == self.ps) or (not same and self.ps == 0):
@@ -86,13 +90,17 @@ def dynamic_tables(tables: list[TableSpec], seed: int, sp, num_ps: int) -> Dynam
 
 
 def check_counts(shard: str, worker: int, name: str, ids: torch.Tensor, counts) -> None:
-    """A dynamic table's counts: int64, one per id, each at least 1 (the samples that saw it)."""
+    """A dynamic table's counts: int64, one per id, each in [1, MAX_COUNT] (how many times the
+    batch named it)."""
     if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 \
-            or counts.shape != ids.shape:
+            or counts.shape != ids.shape or counts.layout != torch.strided \
+            or counts.device.type != "cpu":
         shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else counts
         raise PushRejected(f"{shard}: worker{worker} pushed counts {shape} for {ids.numel()} "
                            f"ids of {name!r}; expected {ids.numel()} int64 counts")
-    low = int(counts.numpy().min()) if counts.numel() else 1
-    if low < 1:
-        raise PushRejected(f"{shard}: worker{worker} pushed a count of {low} for "
-                           f"an id of {name!r}: counts are the samples that saw each id, ≥ 1")
+    c = counts.numpy()
+    low, high = (int(c.min()), int(c.max())) if c.shape[0] else (1, 1)
+    if low < 1 or high > MAX_COUNT:
+        raise PushRejected(f"{shard}: worker{worker} pushed a count of "
+                           f"{low if low < 1 else high} for an id of {name!r}: counts are how "
+                           f"many times the batch named each id, in [1, {MAX_COUNT}]")

@@ -133,19 +133,31 @@ class TableShard(DynamicParts, Shard):
         except PushRejected as e:
             return comm.failed(e)
         if self.dynamic:  # the round's lookups ahead are answered together (_with_rows)
-            self._aheads[worker] = ahead
+            with self.lock:
+                self._aheads[worker] = ahead
         return self.push_pull(worker, version, payload, loss, samples, ticket).then(
-            lambda f: self._with_rows(f.value(), ahead, worker))
+            lambda f: self._with_rows(f, ahead, worker))
 
-    def _with_rows(self, reply: Reply, ahead: dict, worker: int) -> Reply:
+    def _with_rows(self, done: torch.futures.Future, ahead: dict, worker: int) -> Reply:
         """The reply with the rows asked ahead, read at its version (none if the shard has
         moved past it meanwhile: another round closed, with backup workers)."""
         with self.lock:
+            if self._aheads.get(worker) is ahead:  # not answered with a round's batch: drop it
+                del self._aheads[worker]
+            reply = done.value()  # (a failed push raises here, its request already dropped)
             if self.version != reply.version:
                 return reply
             if self.dynamic:
                 return replace(reply, rows=self._ahead_rows(worker, ahead))
             return replace(reply, rows=self._values(ahead, worker))
+
+    def begin_epoch(self) -> int:
+        """A new membership epoch: the old group's requests ahead, and rows looked up for
+        them, are dropped with their rounds."""
+        with self.lock:
+            self._aheads.clear()
+            self._looked_up.clear()
+        return super().begin_epoch()
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
         with self.lock:
@@ -209,9 +221,10 @@ class TableShard(DynamicParts, Shard):
         if name not in self.specs:
             raise PushRejected(f"{self.name}: {who}{what} rows of unknown table {name!r} "
                                f"(tables: {sorted(self.specs)})")
-        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1 \
+                or rows.layout != torch.strided or rows.device.type != "cpu":
             raise PushRejected(f"{self.name}: {who}{what} rows of {name!r} as "
-                               f"{type(rows).__name__}; expected a 1-D int64 tensor")
+                               f"{type(rows).__name__}; expected a 1-D int64 dense CPU tensor")
         if name in self.dynamic:
             # pushes only: a pull of ids this server does not own changes nothing (it reads
             # their initial values), and the owner's hash costs a tenth of a pull's work
@@ -247,7 +260,7 @@ class TableShard(DynamicParts, Shard):
             summed = grads.new_zeros(unique.numel(), grads.shape[1])
             summed.index_add_(0, inverse, grads)
             out[name] = (unique, summed.div_(len(payloads)))
-            if name in self.dynamic:  # how many samples saw each id: summed, not averaged
+            if name in self.dynamic:  # how many times each id was named: summed, not averaged
                 counts = torch.zeros(unique.numel(), dtype=torch.int64)
                 out[name] += (counts.index_add_(0, inverse, torch.cat([p[2] for p in parts])),)
                 known = [self.dynamic.positions(w, name, p[0]) for w, p in zip(whose, parts)]

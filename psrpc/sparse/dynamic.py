@@ -2,26 +2,27 @@
 trained on, dropped when it goes cold. Pure table math, no RPC (psrpc/ps/tables.py serves it).
 
 - **Ids to rows.** One `IdMap` for every dynamic table of the server, from (table, id) to an
-  entry, so that a step's lookups and updates of all tables are one batch of array operations: how often the id has been seen (`count`),
-  the step it was last trained on (`last`), and its row in storage (`slot`, -1 while the id is
-  still waiting for admission). Each table's rows live in one storage tensor, its row
-  optimizer's weight, grown in chunks; the slots of evicted rows go to a free list and are handed out first.
+  entry, so that a step's lookups and updates of all tables are one batch of array operations:
+  how often the id has been named (`count`), the step it was last trained on (`last`), and its
+  row in storage (`slot`, -1 while the id is still waiting for admission). Each table's rows live
+  in one storage tensor, its row optimizer's weight, grown in chunks; the slots of evicted rows
+  go to a free list and are handed out first.
 - **Initial values.** `init_ids(id)`: a hash of (table seed, id), the same on any server and at
   any time, so an id evicted and seen again starts over from the same values, and a lookup of
   an id with no row (evaluation, serving, an id not admitted yet) gives exactly that value.
-- **Admission** (`admit_after=n`): an id gets a row once it has been seen n times in all
-  (counted over samples, summed over workers); until then its gradients are dropped, as
-  Monolith's and TFRA's frequency filters do. Counting is per id, exact: no sketch, whose
-  collisions would make an id's fate depend on which other ids share its server.
+- **Admission** (`admit_after=n`): an id gets a row once batches have named it n times in all
+  (summed over workers); until then its gradients are dropped, as Monolith's and TFRA's
+  frequency filters do. Counting is per id, exact: no sketch, whose collisions would make an
+  id's fate depend on which other ids share its server.
 - **Eviction**, after a round's update, never inside one: `ttl` drops every id (row or count)
   not trained on for `ttl_steps` steps (looked for every ttl_steps // 8 steps: an id goes
   between ttl_steps and 9/8 of it after its last training); `lfu` keeps at most `max_rows` rows
-  of a table on this server, and when a round takes it past that, drops the least often seen (then the least recently, then the
-  smallest id) down to `max_rows - max_rows // 4`, so the pass is paid once every many rounds;
-  waiting counts are capped the same way. Each such pass halves the counts of the rows it keeps
-  (TinyLFU's aging): ids that were popular long ago give way to today's. With `ttl` and
-  admission every decision depends on one id's own history, so 1, 2 or 3 servers give the same bits; `lfu` compares ids that share
-  a server.
+  of a table on this server, and when a round takes it past that, drops the least often named
+  (then the least recently, then the smallest id) down to `max_rows - max_rows // 4`, so the
+  pass is paid once every many rounds; waiting counts are capped the same way. Each such pass
+  halves the counts of the rows it keeps (TinyLFU's aging): ids that were popular long ago give
+  way to today's. With `ttl` and admission every decision depends on one id's own history, so
+  1, 2 or 3 servers give the same bits; `lfu` compares ids that share a server.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class DynamicTables:
                  max_rows: Optional[int] = None):
         if evict not in EVICTIONS:
             raise ValueError(f"evict={evict!r}: must be one of {list(EVICTIONS)}")
+        if evict == "lfu" and not max_rows:
+            raise ValueError("evict='lfu' needs max_rows (the most rows a table keeps here)")
         self.admit_after, self.evict, self.ttl_steps = max(1, admit_after), evict, ttl_steps
         cap = max_rows if evict == "lfu" else None
         # ttl: the scan for cold ids runs every ttl_steps // 8 steps (every step below 16)
@@ -207,7 +210,8 @@ class DynamicTables:
 
     def apply(self, payload: dict, step: int, lr: float) -> None:
         """One update of every table: {table: (unique ids, their summed gradients, how many
-        samples saw each[, their `positions`])} at global step `step` (a table not in it is stepped with no rows).
+        times the batches named each[, their `positions`])} at global step `step` (a table not
+        in it is stepped with no rows).
         Counts and recency first, then admission, then each table's optimizer on the rows that
         exist; then eviction."""
         given = {n: p for n, p in payload.items() if p[0].numel()}
@@ -261,7 +265,7 @@ class DynamicTables:
         table.opt.step(torch.from_numpy(slot[have][order]),
                        grads.index_select(0, torch.from_numpy(have[order])), lr)
 
-    # -- eviction ------------------------------------------------------------------------------------
+    # -- eviction ------------------------------------------------------------------------------
     def _evict(self, step: int) -> None:
         cols = self.map.columns
         if self.evict == "ttl" and self.ttl_steps > 0 and len(self.map) \
@@ -348,6 +352,7 @@ class DynamicTables:
         """Add the entries `take` (a bool mask over state["ids"]) of a `state()` to a table
         (ids it does not hold yet): a checkpoint restored, with any number of servers."""
         table = self.tables[name]
+        self.set_scalars(name, state["optimizer"])  # (a server given none of its ids too)
         take = take.numpy()
         ids = state["ids"].numpy()[take]
         if not ids.shape[0]:
@@ -366,13 +371,18 @@ class DynamicTables:
         for k in table.opt.per_row_state:
             getattr(table.opt, k).index_copy_(0, at,
                                               state["optimizer"][k].index_select(0, src))
-        for k in table.opt.scalar_state:
-            setattr(table.opt, k, type(getattr(table.opt, k))(state["optimizer"][k]))
+        self.set_scalars(name, state["optimizer"])
         slot = np.full(ids.shape[0], -1, dtype=np.int32)
         slot[mine] = slots
         cols["slot"][pos] = slot
         table.rows_live += slots.shape[0]
         table.entries += ids.shape[0]
+
+    def set_scalars(self, name: str, optimizer_state: dict) -> None:
+        """A table's optimizer scalars (lazy Adam's step count) from a `state()`."""
+        opt = self.tables[name].opt
+        for k in opt.scalar_state:
+            setattr(opt, k, type(getattr(opt, k))(optimizer_state[k]))
 
     def export(self, name: str) -> dict:
         """A table's rows, by id: {"ids", "weight"} (ids with no row are left out: they read

@@ -145,7 +145,7 @@ class EmbeddingTables(nn.Module):
         bags = {}
         for spec in self.specs:
             flat, offsets = bag_inputs(features[spec.name])
-            # a dynamic table is told how many samples saw each id (its admission counts)
+            # a dynamic table is told how many times the batch named each id (admission counts)
             rows, inverse, *counts = torch.unique(spec.rows(flat).cpu(), sorted=True,
                                                   return_inverse=True,
                                                   return_counts=spec.dynamic)
@@ -173,7 +173,7 @@ class EmbeddingTables(nn.Module):
     def take_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """After backward: {table: (unique global rows, their gradients on CPU)} of the last
         forward (rows no output used get zero gradients); a dynamic table's also carries how
-        many samples saw each id: (ids, gradients, counts)."""
+        many times the batch named each id: (ids, gradients, counts)."""
         out = {}
         for name, rows, weight, counts in self._leaves:
             grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
