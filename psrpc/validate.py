@@ -29,6 +29,7 @@ from psrpc.factories import (arguments, build_loss, build_metric, build_model, i
                              locate)
 from psrpc.models.stages import model_cuts
 from psrpc.optim.schedule import SCHEDULES
+from psrpc.sparse.dynamic import EVICTIONS
 from psrpc.sparse.optim import SPARSE_OPTIMIZERS
 from psrpc.sparse.rows import Partition
 from psrpc.sparse.tables import DryRows, find_tables
@@ -219,7 +220,7 @@ def _validate_dynamic(sp) -> None:
             "nothing is hashed)")
     require(isinstance(sp.admit_after, int) and sp.admit_after >= 1, "sparse.admit_after",
             sp.admit_after, "must be an integer ≥ 1 (1: an id gets a row the first time)")
-    one_of(("none", "ttl", "lfu"), sp.evict, "sparse.evict")
+    one_of(EVICTIONS, sp.evict, "sparse.evict")
     require(sp.evict != "ttl" or (isinstance(sp.ttl_steps, int) and sp.ttl_steps >= 1),
             "sparse.ttl_steps", sp.ttl_steps, "must be an integer ≥ 1 with sparse.evict=ttl")
     require(sp.evict != "lfu" or sp.max_rows, "sparse.max_rows", sp.max_rows,

@@ -249,7 +249,11 @@ def test_pulls_of_unknown_ids_give_initial_values_and_create_no_row():
 
 def test_numpy_initialiser_equals_init_rows_bit_for_bit():
     """The PS computes a new id's initial values with NumPy; they must be init_rows' (torch)."""
-    from psrpc.sparse.rows import init_ids_reference
+    from psrpc.sparse.rows import COLUMN_BITS, MAX_INIT_ROW, hash64, init_rows
+
+    def init_ids_reference(ids, dim, table_seed, scale):  # through init_rows and torch
+        key = (hash64(ids, table_seed) >> (64 - (63 - COLUMN_BITS))) & (MAX_INIT_ROW - 1)
+        return init_rows(key, dim, table_seed, scale)
 
     x = torch.cat([torch.randint(-2**63, 2**63 - 1, (3000,)), torch.arange(-5, 5)])
     for dim, seed, scale in [(1, 0, 1.0), (16, 12345, 0.01), (33, -7, 0.0031622)]:

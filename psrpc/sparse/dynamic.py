@@ -150,14 +150,12 @@ class DynamicTables:
     def nbytes(self) -> int:
         return self.map.nbytes() + sum(t.nbytes() for t in self.tables.values())
 
-    def _keys(self, requests: dict) -> tuple[list, np.ndarray, np.ndarray]:
-        """The ids of every table asked, end to end, with their tables' tags."""
-        names = list(requests)
-        ids = [requests[n].numpy() for n in names]
-        tags = [np.full(i.shape[0], self.tables[n].tag, dtype=np.int16)
-                for n, i in zip(names, ids)]
-        cat = (lambda xs: np.concatenate(xs)) if len(names) != 1 else (lambda xs: xs[0])
-        return names, cat(ids), cat(tags)
+    def _keys(self, items: list) -> tuple[np.ndarray, np.ndarray]:
+        """[(table, ids), ...] -> the ids end to end, and each one's table tag."""
+        ids = np.concatenate([i.numpy() for _, i in items])
+        tags = np.concatenate([np.full(i.numel(), self.tables[n].tag, dtype=np.int16)
+                               for n, i in items])
+        return ids, tags
 
     def _slots(self, pos: np.ndarray) -> np.ndarray:
         slot = self.map.columns["slot"][pos].astype(np.int64)  # (pos -1: any; masked next)
@@ -177,9 +175,7 @@ class DynamicTables:
         segments = [(w, n, ids) for w, req in asks.items() for n, ids in req.items()]
         if not segments:
             return {w: {} for w in asks}
-        ids = np.concatenate([i.numpy() for _, _, i in segments])
-        tags = np.concatenate([np.full(i.numel(), self.tables[n].tag, dtype=np.int16)
-                               for _, n, i in segments])
+        ids, tags = self._keys([(n, i) for _, n, i in segments])
         pos = self.map.find(ids, tags)
         slot = self._slots(pos)
         missing = slot < 0
@@ -216,7 +212,8 @@ class DynamicTables:
         exist; then eviction."""
         given = {n: p for n, p in payload.items() if p[0].numel()}
         if given:
-            names, ids, tags = self._keys({n: p[0] for n, p in given.items()})
+            names = list(given)
+            ids, tags = self._keys([(n, given[n][0]) for n in names])
             known = [given[n][3] if len(given[n]) > 3 else None for n in names]
             known = np.concatenate(known) if all(k is not None for k in known) else None
             pos, new = self.map.find_or_insert(ids, tags, known)

@@ -265,15 +265,6 @@ def seed_offset(seed: int) -> np.uint64:
     return np.uint64((mix64_int(seed) + GOLDEN) % _U64)
 
 
-def hash64_np(ids: np.ndarray, salt: int = 0) -> np.ndarray:
-    """`hash64` on a NumPy int64 array, as uint64 (the same bits): for the parameter server's
-    per-step work on a few hundred ids, where NumPy's fixed cost per operation is a third of
-    torch's."""
-    z = ids.astype(np.int64, copy=True).view(np.uint64)
-    z += seed_offset(salt)
-    return _mix64_np_(z)
-
-
 def init_ids(ids: torch.Tensor, dim: int, table_seed: int, scale: float) -> torch.Tensor:
     """Initial values of a dynamic table's rows, from the raw ids (any int64): `init_rows` of a
     47-bit hash of each id, so a row starts from the same values on any server, whenever it is
@@ -300,13 +291,6 @@ def init_ids_np(ids: np.ndarray, dim: int, offsets: np.ndarray,
     top += np.float32(0.5)
     top *= factors[:, None]
     return torch.from_numpy(top)
-
-
-def init_ids_reference(ids: torch.Tensor, dim: int, table_seed: int,
-                       scale: float) -> torch.Tensor:
-    """`init_ids` through `init_rows` and torch (what the NumPy version must equal)."""
-    key = (hash64(ids, table_seed) >> (64 - (63 - COLUMN_BITS))) & (MAX_INIT_ROW - 1)
-    return init_rows(key, dim, table_seed, scale)
 
 
 def init_rows(global_rows: torch.Tensor, dim: int, table_seed: int, scale: float) -> torch.Tensor:
