@@ -94,3 +94,41 @@ def test_errors():
         tables({"b": torch.tensor([0])})
     with pytest.raises(ValueError, match=r"'a'.*\[0, 2\)"):
         tables({"a": torch.tensor([2])})
+
+
+class _CountingRows:
+    """A RowClient stand-in for the remote form: each row's value is its id, and every pull is
+    counted (what the worker's RowClient does over RPC is tested in test_sparse_cluster)."""
+
+    def __init__(self, dim: int):
+        self.dim, self.pulled = dim, []
+
+    def pull(self, rows: dict) -> dict:
+        self.pulled.append({n: r.clone() for n, r in rows.items()})
+        return {n: r.double().unsqueeze(1).expand(-1, self.dim).float().clone()
+                for n, r in rows.items()}
+
+
+def test_rows_for_work_is_reused_by_the_forward_and_redone_after_a_change():
+    """The worker asks `rows_for` the next batch before its forward: the forward then reuses
+    the lookups it worked out (the same unique rows), gives what a fresh forward gives, and
+    works them out anew once a feature tensor of the batch changed in place."""
+    from psrpc.sparse import tables as tables_mod
+
+    with tables_mod.remote_tables():
+        remote = EmbeddingTables([TableSpec("a", 50, 4, pooling="mean")])
+    rows = _CountingRows(4)
+    remote.bind(rows)
+    batch = {"a": torch.tensor([[3, 7, -1], [7, 7, 9]])}
+    ahead = remote.rows_for(batch)
+    assert torch.equal(ahead["a"], torch.tensor([3, 7, 9]))
+    kept = remote._prepared[0][2]["a"]
+    out = remote(batch)["a"]
+    assert remote._prepared == []  # taken by the forward
+    assert torch.allclose(out, torch.tensor([[5.0] * 4, [23 / 3] * 4]))
+    remote.rows_for(batch)
+    assert remote._prepared[0][2]["a"][1] is not kept[1]  # a new batch's work: not the old one
+    batch["a"][1, 2] = 11  # in place: what rows_for saw is stale
+    out = remote(batch)["a"]
+    assert torch.equal(rows.pulled[-1]["a"], torch.tensor([3, 7, 11]))
+    assert torch.allclose(out, torch.tensor([[5.0] * 4, [25 / 3] * 4]))

@@ -268,6 +268,8 @@ class Shard:
         """One optimizer step on the master copy with this (already averaged) gradient, at the
         learning rate the schedule gives this step (times `lr_scale`: staleness_lr). The caller
         counts the push and then calls `advance()`."""
+        if not self.params.numel():  # the clock shard of update.dense=allreduce: nothing to
+            return  # step (an optimizer step over no parameters still costs ~60 us of Python)
         scale = lr_scale * lr_factor(self.version, self.optim_cfg, self.total_steps)
         with shm.writing(self.seq):
             step_scaled(self.optimizer, self.params,

@@ -34,6 +34,7 @@ from psrpc.sparse.lookup import DynamicBag
 from psrpc.sparse.rows import TableSpec, init_rows, table_seed
 
 PAD = -1
+PREPARED = 2  # features whose lookups rows_for keeps (the next two steps' batches)
 _MODE = threading.local()
 
 
@@ -108,6 +109,7 @@ class EmbeddingTables(nn.Module):
         self.client = None  # remote: the RowClient psrpc binds
         self.fed = None  # remote: the features of the last forward
         self._leaves: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._prepared: list[tuple] = []  # remote: (features, stamp, lookups) of rows_for
         if self.remote:
             return
         for spec in self.specs:
@@ -142,14 +144,7 @@ class EmbeddingTables(nn.Module):
             raise RuntimeError("EmbeddingTables built by psrpc for the parameter servers, used "
                                "without a RowClient bound")
         self.fed = features  # what this forward was given (the worker compares it with its batch)
-        bags = {}
-        for spec in self.specs:
-            flat, offsets = bag_inputs(features[spec.name])
-            # a dynamic table is told how many times the batch named each id (admission counts)
-            rows, inverse, *counts = torch.unique(spec.rows(flat).cpu(), sorted=True,
-                                                  return_inverse=True,
-                                                  return_counts=spec.dynamic)
-            bags[spec.name] = (rows, inverse, offsets, counts)
+        bags = self._lookups(features)
         values = self.client.pull({n: b[0] for n, b in bags.items()})  # all tables at once
         track = torch.is_grad_enabled()
         self._leaves = []
@@ -164,11 +159,30 @@ class EmbeddingTables(nn.Module):
                                              mode=spec.pooling)
         return out
 
+    def _lookups(self, features: dict[str, torch.Tensor], keep: bool = False) -> dict:
+        """{table: (unique rows, inverse, offsets, [counts])} of `features`: worked out once
+        per features object while its tensors are unchanged (`rows_for` keeps them for the
+        forward that follows)."""
+        stamp = [(features[s.name], features[s.name]._version) for s in self.specs]
+        for k, (fed, seen, bags) in enumerate(self._prepared):
+            if fed is features and all(a is b and v == w for (a, v), (b, w) in zip(seen, stamp)):
+                return bags if keep else self._prepared.pop(k)[2]
+        bags = {}
+        for spec in self.specs:
+            flat, offsets = bag_inputs(features[spec.name])
+            # a dynamic table is told how many times the batch named each id (admission counts)
+            rows, inverse, *counts = torch.unique(spec.rows(flat).cpu(), sorted=True,
+                                                  return_inverse=True,
+                                                  return_counts=spec.dynamic)
+            bags[spec.name] = (rows, inverse, offsets, counts)
+        if keep:
+            self._prepared = (self._prepared + [(features, stamp, bags)])[-PREPARED:]
+        return bags
+
     def rows_for(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """{table: the unique rows a forward of `features` looks up}, without looking them up."""
-        return {spec.name: torch.unique(spec.rows(bag_inputs(features[spec.name])[0]).cpu(),
-                                        sorted=True)
-                for spec in self.specs}
+        """{table: the unique rows a forward of `features` looks up}, without looking them up;
+        what it worked out is kept for that forward (the last PREPARED features so asked)."""
+        return {name: b[0] for name, b in self._lookups(features, keep=True).items()}
 
     def take_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """After backward: {table: (unique global rows, their gradients on CPU)} of the last
@@ -188,7 +202,7 @@ class EmbeddingTables(nn.Module):
             memo[id(self)] = clone
             nn.Module.__init__(clone)
             clone.specs, clone.remote, clone.client, clone._leaves = self.specs, False, None, []
-            clone.fed = None
+            clone.fed, clone._prepared = None, []
             clone.bags = __import__("copy").deepcopy(self.bags, memo)
             return clone
         with remote_tables():
