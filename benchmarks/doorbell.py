@@ -101,6 +101,7 @@ def doorbell(msg: dict, trips: int, pickled: bool) -> float:
     size = 1024 + len(body) + sum(b.raw().nbytes for b in bufs)
     d = tempfile.mkdtemp(prefix="psrpc-doorbell-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                          else None)
+    fds: list[int] = []
     try:
         os.mkfifo(f"{d}/req")
         os.mkfifo(f"{d}/rep")
@@ -109,7 +110,8 @@ def doorbell(msg: dict, trips: int, pickled: bool) -> float:
         server = multiprocessing.get_context("spawn").Process(target=_server,
                                                               args=(d, size, pickled))
         server.start()
-        req, rep = os.open(f"{d}/req", os.O_RDWR), os.open(f"{d}/rep", os.O_RDWR)
+        fds += [os.open(f"{d}/req", os.O_RDWR), os.open(f"{d}/rep", os.O_RDWR)]
+        req, rep = fds
         with open(f"{d}/shm", "r+b") as f:
             buf = mmap.mmap(f.fileno(), 2 * size)
         raw = os.urandom(size)
@@ -136,6 +138,8 @@ def doorbell(msg: dict, trips: int, pickled: bool) -> float:
         server.kill()
         raise
     finally:
+        for fd in fds:
+            os.close(fd)
         for name in ("req", "rep", "shm"):
             try:
                 os.unlink(f"{d}/{name}")

@@ -64,7 +64,6 @@ class DynamicParts:
                 raise PsrpcError(f"checkpoint step-{restore['step']} has no dynamic table "
                                  f"{name!r}: it was made for another model (or with the table "
                                  "fixed: sparse.dynamic differs)")
-            self.dynamic.set_scalars(name, saved[0]["optimizer"])  # (with or without ids here)
             for f, state in zip(files, saved):
                 self.dynamic.load(name, state, self.hashed.owner(state["ids"])[0] == self.ps)
                 if (same and f.get("ps") == self.ps) or (not same and self.ps == 0):

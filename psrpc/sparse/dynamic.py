@@ -368,7 +368,6 @@ class DynamicTables:
         for k in table.opt.per_row_state:
             getattr(table.opt, k).index_copy_(0, at,
                                               state["optimizer"][k].index_select(0, src))
-        self.set_scalars(name, state["optimizer"])
         slot = np.full(ids.shape[0], -1, dtype=np.int32)
         slot[mine] = slots
         cols["slot"][pos] = slot
