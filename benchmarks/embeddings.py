@@ -44,7 +44,8 @@ from psrpc.sparse.tables import bag_inputs
 TORCHREC_INSTALL = ("pip install fbgemm-gpu-cpu==1.9.0 tensordict pyre-extensions && "
                     "pip install --no-deps torchrec==1.9.2")  # torchrec names the CUDA fbgemm-gpu
 SYSTEMS = ("single", "psrpc", "psrpc_cache", "psrpc_allreduce", "psrpc_cache_allreduce",
-           "psrpc_allreduce_1ps", "ddp_sparse", "ddp_dense", "torchrec")
+           "psrpc_allreduce_1ps", "psrpc_ahead_allreduce_1ps", "psrpc_cache_allreduce_1ps",
+           "ddp_sparse", "ddp_dense", "torchrec")
 RATIOS = ("torchrec", "ddp_sparse", "single")  # psrpc_vs_<system> columns
 
 
@@ -204,6 +205,8 @@ def measure(system: str, ov: list[str], cache, psrpc_ov=()) -> float:
         ov = ov + list(psrpc_ov)
         if "_cache" in system:
             ov = ov + [f"sparse.cache_rows={cache.rows}", f"sparse.cache_staleness={cache.staleness}"]
+        if "_ahead" in system:  # no cache, a bound of one step: the next rows pulled ahead
+            ov = ov + ["sparse.cache_staleness=1"]
         if "_allreduce" in system:
             ov = ov + ["update.dense=allreduce"]
         if system.endswith("_1ps"):  # the tables on one PS: one process fewer on the cores

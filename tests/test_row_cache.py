@@ -138,3 +138,90 @@ def test_a_new_membership_epoch_starts_cold():
     with torch.enable_grad():
         cache.pull(rows)
     assert server.pulled == before + 3
+
+
+class AheadServer(Server):
+    """A Server that also answers the rows asked with a push, as the table shards do: its reply
+    brings their values once the push is applied (RowClient.receive / take_ahead)."""
+
+    def __init__(self, lag):
+        super().__init__()
+        self.lag, self.pull_calls, self._asked, self._ahead = lag, 0, None, None
+
+    def pull(self, rows):
+        self.pull_calls += 1
+        return super().pull(rows)
+
+    def push_async(self, grads, versions, loss, samples, ticket=None, void=False, ahead=None):
+        out = super().push_async(grads, versions, loss, samples, ticket, void, ahead)
+        self._asked = ahead
+        return out
+
+    def receive(self, replies):
+        asked, self._asked = self._asked, None
+        if asked:
+            self._ahead = (asked, {n: self.weights[n][r].clone() for n, r in asked.items()})
+
+    def take_ahead(self):
+        got, self._ahead = self._ahead, None
+        return got
+
+
+class _Version:
+    def __init__(self, version):
+        self.version = version
+
+
+@pytest.mark.parametrize("lag,staleness,capacity", [(0, 2, 50), (1, 1, 50), (1, 4, 8),
+                                                    (1, 3, 200)])
+def test_rows_pulled_ahead_fill_the_cache_within_the_bound_and_lose_no_gradient(
+        lag, staleness, capacity):
+    """The rows of a later lookup ride on a push and its reply fills the cache (lag 1: the
+    lookup after next, as a pipelined worker asks): every value served is within the bound,
+    every gradient arrives once, and after the first steps no lookup has to pull."""
+    rnd, steps = random.Random(1), 60
+    server, stats, clock = AheadServer(lag), WorkerStats(), [0]
+    cache = RowCache(server, SPECS, capacity, staleness, clock=lambda: clock[0],
+                     flush_all=lambda step: step == steps - 1, stats=stats)
+    batches = [{s.name: torch.tensor(sorted({min(int(rnd.paretovariate(1.0)) - 1, s.num_rows - 1)
+                                             for _ in range(12)}), dtype=torch.int64)
+                for s in SPECS} for _ in range(steps)]
+    given = {s.name: torch.zeros(s.num_rows, s.dim) for s in SPECS}
+    history = {}  # step -> the server's weights at its start
+
+    def lookup(n):
+        history.setdefault(n, {k: w.clone() for k, w in server.weights.items()})
+        with torch.enable_grad():
+            values = cache.pull(batches[n])
+        for name, v in values.items():  # within the bound: the server's at one of the steps
+            for i, row in enumerate(batches[n][name].tolist()):
+                assert any(torch.equal(history[k][name][row], v[i])
+                           for k in range(max(0, n - staleness), n + 1) if k in history), \
+                    f"{name} row {row} at step {n}: older than the bound"
+
+    def push(n):
+        grads = {nm: (r, torch.randn(r.numel(), SPECS[i].dim)) for i, (nm, r) in
+                 enumerate(batches[n].items())}
+        for nm, (r, g) in grads.items():
+            given[nm][r] += g
+        nxt = n + 1 + lag
+        cache.push_async(grads, [], 0.0, 1, ahead=batches[nxt] if nxt < steps else None)
+
+    if lag == 0:
+        for n in range(steps):
+            lookup(n)
+            push(n)
+            cache.receive([_Version(n + 1)])
+            clock[0] = n + 1
+    else:  # lookup n+1 runs before push n's reply is in
+        lookup(0)
+        for n in range(steps):
+            push(n)
+            history[n + 1] = {k: w.clone() for k, w in server.weights.items()}
+            if n + 1 < steps:
+                lookup(n + 1)
+            cache.receive([_Version(n + 1)])
+            clock[0] = n + 1
+    for name in given:
+        torch.testing.assert_close(server.received[name], given[name], rtol=1e-5, atol=1e-5)
+    assert server.pull_calls <= 2  # the first lookups; then every row came ahead or cached

@@ -60,6 +60,7 @@ class DenseAllReduce:
         self._ready: set[int] = set()  # buffers whose gradient is complete, not yet launched
         self._next = 0  # the next buffer to all-reduce: every worker launches them in order
         self.pending: Optional[int] = None  # the step whose averaged gradient awaits the clock
+        self._undo: Optional[tuple] = None  # (step, version, params, states) before apply_pending
         self.load(state)
 
     # -- the state -----------------------------------------------------------------------------
@@ -72,7 +73,7 @@ class DenseAllReduce:
             loaded = opt.state_dict()
             loaded["state"] = {0: st} if st else {}
             opt.load_state_dict(loaded)  # casts and places it; {} clears it
-        self.version, self.pending = state.version, None
+        self.version, self.pending, self._undo = state.version, None, None
 
     def params(self) -> list[torch.Tensor]:
         """CPU copies of the replica's flat parameters (model.pt, an evaluation)."""
@@ -99,6 +100,9 @@ class DenseAllReduce:
         """Bring the replica to global step `target` (where the clock is): a round it averaged
         whose reply was lost is applied once the clock has passed it; further steps passed
         without an update are counted as the shards count them."""
+        if self._undo is not None and target <= self._undo[0]:
+            self._restore()  # applied ahead of a round that never closed
+        self._undo = None
         if target < self.version:
             raise RuntimeError(f"the dense replica is at step {self.version}, past the clock's "
                                f"{target}: replicas would differ")
@@ -158,14 +162,50 @@ class DenseAllReduce:
         """Before a step: drop what a failed one left (a membership change)."""
         self._works, self._ready, self._next = [], set(), 0
 
-    def settle(self, version: int) -> None:
+    def settle(self, version: int, ahead: bool = False) -> None:
         """The clock's reply for the pending step says it is at `version`: once its round has
         closed, with or without this worker's push, every worker applies the average it
-        took part in (a non-finite one is skipped by all: the step passes with no update)."""
+        took part in (a non-finite one is skipped by all: the step passes with no update).
+        `ahead`: the step was applied before its push (`apply_pending`) and the one pending
+        now is the next step's, computed while this reply was on its way: it stays."""
+        if ahead:
+            if self._undo is not None and version <= self._undo[0]:
+                self._restore()  # the round it was applied ahead of did not close (a freeze)
+            self._undo = None
+            self.version = max(self.version, version)
+            return
         if self.pending is not None and version > self.pending:
             self.apply(self.pending)
         self.version = max(self.version, version)
         self.pending = None
+
+    def apply_pending(self) -> None:
+        """Apply the averaged gradient now, before the clock has closed its round (the next
+        step is computed on it meanwhile): every worker averaged it, so every worker applies
+        it. A non-finite one passes the step without an update. What it changed is kept until
+        the clock's reply: a round that does not close (the chief froze the shards, a worker
+        died before its push) is undone (`settle`, `catch_up`)."""
+        self._undo = None
+        if self.pending is not None:
+            states = [{k: v.clone() if torch.is_tensor(v) else v
+                       for k, v in opt.state[p].items()}
+                      for opt, p in zip(self.optimizers, self.flat.params)]
+            self._undo = (self.pending, self.version,
+                          [p.detach().clone() for p in self.flat.params], states)
+            self.apply(self.pending)
+        self.pending = None
+
+    def _restore(self) -> None:
+        """Undo the step `apply_pending` applied: parameters, optimizer state, version."""
+        _, self.version, params, states = self._undo
+        with torch.no_grad():
+            for p, saved in zip(self.flat.params, params):
+                p.copy_(saved)
+        for opt, p, saved in zip(self.optimizers, self.flat.params, states):
+            state = opt.state[p]
+            state.clear()
+            state.update(saved)
+        self._undo = None
 
     def apply(self, step: int) -> None:
         """One optimizer step with the averaged gradient at step `step`'s learning rate."""

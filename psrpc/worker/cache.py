@@ -14,11 +14,14 @@ Each cached row carries two clocks, in global steps (the table shards' version):
   would have; a stateful row optimizer (Adagrad, Adam) sees one larger step instead of s small
   ones, which is the approximation HET makes too.
 
-Eviction is least recently used among the rows the current batch does not use, a sixteenth of
-the slots at a time. Lookups outside
-training (evaluation, no autograd) bypass the cache and read the PS. A membership epoch or a
-roll back of the PS drops the cache, values and held gradients (this worker's last s steps of
-table gradients are then lost, as a step in flight is); a worker that joins again starts cold.
+Slots are direct-mapped, as a CPU cache's lines: row r can live in slot r % cache_rows only, so
+a lookup, a fill and an eviction are a few vectorised operations on the batch's rows, whatever
+the capacity (no LRU order to keep, no scan of the slots). A missed row takes its slot unless a
+row of the same batch holds it; the row it displaces leaves with its held gradient, which goes
+out with the next push. Lookups outside training (evaluation, no autograd) bypass the cache and
+read the PS. A membership epoch or a roll back of the PS drops the cache, values and held
+gradients (this worker's last s steps of table gradients are then lost, as a step in flight is);
+a worker that joins again starts cold.
 
 `sparse.cache_writes=through` caches reads only: every gradient goes to the PS in its own step
 (write-through). Measured on MovieLens 100K, where every row is hot: holding gradients costs
@@ -34,82 +37,88 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from psrpc.sparse.rows import TableSpec
 
 
-DENSE_MAP_ROWS = 1 << 26  # tables up to 64M rows map rows to slots with a tensor (256 MB)
-
-
 class _Table:
-    """The cached rows of one table: `cap` slots."""
+    """The cached rows of one table: `cap` direct-mapped slots (row r in slot r % cap). NumPy
+    arrays: a step makes some twenty small operations per table, and NumPy's cost per call is a
+    fraction of torch's."""
 
     def __init__(self, spec: TableSpec, cap: int):
         self.cap, self.dim = cap, spec.dim
-        # global row -> slot (-1: not cached): a tensor indexed by row, 4 bytes a row of the
-        # table (one lookup per batch instead of one dict access per row); a dict beyond
-        # DENSE_MAP_ROWS rows
-        self.slot = (torch.full((spec.num_rows,), -1, dtype=torch.int32)
-                     if spec.num_rows <= DENSE_MAP_ROWS else {})
-        self.row = torch.full((cap,), -1, dtype=torch.int64)  # slot -> global row (-1: free)
-        self.values = torch.zeros(cap, spec.dim)
-        self.pulled_at = torch.zeros(cap, dtype=torch.int64)
-        self.pending = torch.zeros(cap, spec.dim)
-        self.pending_since = torch.full((cap,), -1, dtype=torch.int64)  # -1: nothing held
-        self.used = torch.full((cap,), -1, dtype=torch.int64)  # last lookup's tick (LRU)
-        self.free = list(range(cap - 1, -1, -1))
+        self.row = np.full(cap, -1, dtype=np.int64)  # slot -> global row (-1: free)
+        self.values = np.zeros((cap, spec.dim), dtype=np.float32)
+        self.pulled_at = np.zeros(cap, dtype=np.int64)
+        self.pending = np.zeros((cap, spec.dim), dtype=np.float32)
+        self.pending_since = np.full(cap, -1, dtype=np.int64)  # -1: nothing held
+        self.started: dict[int, list[np.ndarray]] = {}  # step -> slots that began holding
+        self.ahead = np.zeros(cap, dtype=bool)  # filled by a pull ahead, not looked up since
 
-    def slots_of(self, rows: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.slot, torch.Tensor):
-            return self.slot[rows].to(torch.int64)
-        get = self.slot.get
-        return torch.tensor([get(r, -1) for r in rows.tolist()], dtype=torch.int64)
+    def lookup(self, rows: np.ndarray, now: int, staleness: int) -> tuple:
+        """(slots of `rows`, whether each row is in its slot, whether it is fresh at `now`)."""
+        if not self.cap:  # (a cache of no rows: everything passes through)
+            none = np.zeros(rows.size, dtype=bool)
+            return np.zeros(rows.size, dtype=np.int64), none, none
+        s = rows % self.cap
+        cached = self.row[s] == rows
+        return s, cached, cached & (now - self.pulled_at[s] <= staleness)
 
-    def _map(self, rows: torch.Tensor, slots) -> None:
-        """slot[rows] = slots (a tensor, or -1: forgotten)."""
-        if isinstance(self.slot, torch.Tensor):
-            self.slot[rows] = slots if isinstance(slots, int) else slots.to(torch.int32)
-        elif isinstance(slots, int):
-            for r in rows.tolist():
-                del self.slot[r]
+    def fill(self, rows: np.ndarray, slots: np.ndarray, values: np.ndarray, at: int,
+             batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Put missed `rows` (read at step `at`) in their `slots`, except where a row of `batch`
+        (sorted) holds the slot, or an earlier row of `rows` takes it. Returns the displaced
+        rows that held gradients, those gradients, and the positions in `rows` placed."""
+        if not self.cap:
+            return rows[:0], values[:0], np.zeros(0, dtype=np.int64)
+        occupant = self.row[slots]
+        mine = occupant == rows  # a stale row of its own: refreshed in place
+        ok = mine | (occupant < 0)
+        if batch.size:  # a slot another row of this batch holds stays its
+            at_b = np.minimum(np.searchsorted(batch, occupant), batch.size - 1)
+            ok |= batch[at_b] != occupant
+        idx = np.flatnonzero(ok)
+        _, first = np.unique(slots[idx], return_index=True)  # one row per slot: the first
+        if first.size < idx.size:
+            idx = idx[first]
+        s, new = slots[idx], rows[idx]
+        old = self.row[s]
+        moved = old != new
+        gone = moved & (old >= 0) & (self.pending_since[s] >= 0)
+        out = (old[gone], self.pending[s[gone]], idx)
+        sm = s[moved]
+        self.pending[sm] = 0
+        self.pending_since[sm] = -1
+        self.row[s] = new
+        self.values[s] = values[idx]
+        self.pulled_at[s] = at
+        self.ahead[s] = False
+        return out
+
+    def hold(self, slots: np.ndarray, grads: np.ndarray, now: int) -> None:
+        """Add gradients to the held sums of `slots` (their rows are cached; no slot twice)."""
+        self.pending[slots] += grads
+        new = slots[self.pending_since[slots] < 0]
+        if new.size:
+            self.pending_since[new] = now
+            self.started.setdefault(now, []).append(new)
+
+    def take_due(self, now: int, staleness: int, everything: bool) -> tuple:
+        """The held gradients due at `now` (held `staleness` steps, or all of them): their rows
+        and sums, cleared here."""
+        if everything:
+            due = np.flatnonzero(self.pending_since >= 0)
+            self.started = {}
         else:
-            self.slot.update(zip(rows.tolist(), slots.tolist()))
-
-    def place(self, rows: torch.Tensor, tick: int) -> tuple[torch.Tensor, tuple]:
-        """Slots for new `rows` (-1 where none is left: those rows pass uncached); evicts the
-        least recently used rows not looked up at `tick`. Returns (slots, (evicted rows, their
-        held gradients))."""
-        n = rows.numel()
-        need = n - len(self.free)
-        ev_rows, ev_grads = torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
-        if need > 0:
-            # a sixteenth of the slots at once: the scan for the least recently used is paid
-            # once every many steps, not at every miss
-            need = max(need, self.cap // 16)
-            candidates = ((self.used < tick) & (self.row >= 0)).nonzero().squeeze(1)
-            k = min(need, candidates.numel())
-            if k:
-                victims = candidates[torch.topk(self.used[candidates], k, largest=False).indices]
-                held = victims[self.pending_since[victims] >= 0]
-                ev_rows, ev_grads = self.row[held].clone(), self.pending[held].clone()
-                self._map(self.row[victims], -1)
-                self.pending[held] = 0
-                self.pending_since[victims] = -1
-                self.row[victims] = -1
-                self.free.extend(victims.tolist())
-        slots = torch.full((n,), -1, dtype=torch.int64)
-        take = min(n, len(self.free))
-        if take:
-            got = [self.free.pop() for _ in range(take)]
-            slots[:take] = torch.tensor(got, dtype=torch.int64)
-            self._map(rows[:take], slots[:take])
-            self.row[slots[:take]] = rows[:take]
-        return slots, (ev_rows, ev_grads)
-
-    def take_due(self, due: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held gradients of the slots in `due` (their rows, their sums), cleared here."""
-        rows, grads = self.row[due].clone(), self.pending[due].clone()
+            parts = []
+            for step in [k for k in self.started if now - k >= staleness]:
+                for slots in self.started.pop(step):  # (not since re-filled, or taken)
+                    parts.append(slots[self.pending_since[slots] == step])
+            due = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+        rows, grads = self.row[due], self.pending[due]
         self.pending[due] = 0
         self.pending_since[due] = -1
         return rows, grads
@@ -126,61 +135,81 @@ class RowCache:
                  hold: bool = True):
         self.client, self.staleness, self.clock, self.flush_all = client, staleness, clock, \
             flush_all
+        # 1 when the client pulls ahead of time (RowClient.lag): a forward runs at step
+        # clock() + 1, on values read at clock(), and the rows asked with a push are those of
+        # the lookup two steps on
+        self.lag = getattr(client, "lag", 0)
         self.hold = hold  # False: write-through, every gradient pushed in its own step
         self.stats = stats
         self.specs = {s.name: s for s in specs}
         self.tables = {s.name: _Table(s, min(capacity, s.num_rows)) for s in specs}
-        self._tick = 0  # lookups so far (LRU order)
-        self._step: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # last training lookup
+        self._step: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # last training lookup
+        self._coming: dict[str, np.ndarray] = {}  # the rows of the lookup asked ahead for
+        self._spill: dict[str, tuple] = {}  # rows pulled ahead that found no slot, values
         self._evicted: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def bind(self, client) -> None:
         """A new membership epoch's RowClient: the cache starts again, empty (see above)."""
-        self.client = client
+        self.client, self.lag = client, getattr(client, "lag", 0)
         self.tables = {n: _Table(self.specs[n], t.cap) for n, t in self.tables.items()}
-        self._step, self._evicted = {}, {}
+        self._step, self._evicted, self._coming, self._spill = {}, {}, {}, {}
 
     # -- reads --------------------------------------------------------------------------------
     def pull(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{table: unique global rows} -> {table: (U, dim) values}, fresh within the bound."""
         if not torch.is_grad_enabled():  # evaluation: the PS's values, nothing cached
             return self.client.pull(rows)
-        self._tick += 1
-        now = self.clock()
-        misses, slots = {}, {}
+        read = self.clock()  # the version values pulled now are (at least) at
+        now = read + self.lag  # the step this lookup is for
+        misses, looked = {}, {}
+        spill, self._spill = self._spill, {}
         for name, r in rows.items():
             t = self.tables[name]
-            s, fresh = self._lookup(t, r, now)
-            cached = s >= 0
+            s, _, fresh = t.lookup(r.numpy(), now, self.staleness)
+            if name in spill:  # pulled ahead, but no slot could take them
+                served = _find(spill[name][0], r.numpy()) >= 0
+                fresh = fresh & ~served
             self.stats.cache_lookups += r.numel()
-            self.stats.cache_hits += int(fresh.sum())
-            slots[name] = s
-            t.used[s[cached]] = self._tick  # this batch's rows are not evicted for its misses
-            if not bool(fresh.all()):
-                misses[name] = (~fresh).nonzero().squeeze(1)
-        got = self.client.pull({n: rows[n][pos] for n, pos in misses.items()}) if misses else {}
+            if t.cap:  # (rows pulled ahead for this lookup were pulled: not hits)
+                self.stats.cache_hits += int((fresh & ~t.ahead[s]).sum())
+                t.ahead[s[fresh]] = False
+            looked[name] = (s, fresh)
+            if not fresh.all():
+                misses[name] = np.flatnonzero(~fresh)
+        asked = {n: rows[n][torch.from_numpy(pos)] for n, pos in misses.items()}
+        got = {}
+        for name in list(asked):
+            if name in spill:  # served from what was pulled ahead, the rest pulled now
+                at = _find(spill[name][0], asked[name].numpy())
+                v = np.empty((at.size, self.tables[name].dim), dtype=np.float32)
+                v[at >= 0] = spill[name][1][at[at >= 0]]
+                got[name] = (v, at < 0)
+                rest = asked[name][torch.from_numpy(at < 0)]
+                if rest.numel():
+                    asked[name] = rest
+                else:
+                    del asked[name]
+        pulled = self.client.pull(asked) if asked else {}
+        for name, g in pulled.items():
+            if name in got:
+                got[name][0][got[name][1]] = g.numpy()
+            else:
+                got[name] = (g.numpy(), None)
+        got = {n: torch.from_numpy(v) for n, (v, _) in got.items()}
         out = {}
         for name, r in rows.items():
-            t, s = self.tables[name], slots[name]
-            values = torch.empty(r.numel(), t.dim)
-            hit = s >= 0
+            t, (s, fresh) = self.tables[name], looked[name]
+            values = np.empty((r.numel(), t.dim), dtype=np.float32)
+            values[fresh] = t.values[s[fresh]]
             if name in misses:
-                pos = misses[name]
-                new = pos[s[pos] < 0]  # not cached at all: a slot if one can be had
-                if new.numel():
-                    placed, evicted = t.place(r[new], self._tick)
-                    s[new] = placed
-                    if evicted[0].numel():
-                        self._evicted.setdefault(name, []).append(evicted)
-                values[pos] = got[name]
-                into = s[pos]
-                keep = into >= 0
-                t.values[into[keep]] = got[name][keep]
-                t.pulled_at[into[keep]] = now
-                hit[pos] = False
-            values[hit] = t.values[s[hit]]
-            t.used[s[s >= 0]] = self._tick
-            out[name] = values
+                pos, v = misses[name], got[name].numpy()
+                values[pos] = v
+                rn = r.numpy()
+                keep = np.union1d(rn, self._coming[name]) if name in self._coming else rn
+                gone = t.fill(rn[pos], s[pos], v, read, keep)  # (the next lookup's rows stay)
+                if gone[0].size:
+                    self._evicted.setdefault(name, []).append(gone[:2])
+            out[name] = torch.from_numpy(values)
             self._step[name] = (r, s)
         return out
 
@@ -188,24 +217,37 @@ class RowCache:
         return self.client.pull_versions()
 
     def receive(self, replies: list) -> None:
+        """A push's replies: the rows asked ahead go into the cache at once, read at the
+        replies' version (the lookup they are for then finds them fresh), keeping the slots of
+        the rows the next push and the next lookup name."""
         self.client.receive(replies)
+        got = self.client.take_ahead()
+        coming, self._coming = self._coming, {}
+        if got is None:
+            return
+        at = replies[0].version
+        for name, r in got[0].items():
+            keep = coming.get(name, np.zeros(0, dtype=np.int64))
+            if name in self._step:
+                keep = np.union1d(keep, self._step[name][0].numpy())
+            t, rn, v = self.tables[name], r.numpy(), got[1][name].numpy()
+            gone = t.fill(rn, rn % t.cap if t.cap else rn, v, at, keep)
+            if gone[0].size:
+                self._evicted.setdefault(name, []).append(gone[:2])
+            t.ahead[rn[gone[2]] % t.cap if t.cap else gone[2]] = True
+            if gone[2].size < rn.size:  # no slot for some: they wait beside the cache
+                left = np.ones(rn.size, dtype=bool)
+                left[gone[2]] = False
+                self._spill[name] = (rn[left], v[left])
 
     def _misses(self, rows: dict[str, torch.Tensor], now: int) -> dict[str, torch.Tensor]:
         """{table: the rows of `rows` a lookup at step `now` cannot serve from here}."""
         out = {}
         for name, r in rows.items():
-            fresh = self._lookup(self.tables[name], r, now)[1]
-            if not bool(fresh.all()):
-                out[name] = r[~fresh]
+            fresh = self.tables[name].lookup(r.numpy(), now, self.staleness)[2]
+            if not fresh.all():
+                out[name] = r[torch.from_numpy(~fresh)]
         return out
-
-    def _lookup(self, t: _Table, rows: torch.Tensor, now: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots of `rows`, -1 where not cached; whether each is fresh at step `now`)."""
-        s = t.slots_of(rows)
-        cached = s >= 0
-        fresh = cached.clone()
-        fresh[cached] = now - t.pulled_at[s[cached]] <= self.staleness
-        return s, fresh
 
     # -- writes -------------------------------------------------------------------------------
     def ride(self, k: int, target, method: str, args: tuple):
@@ -219,7 +261,8 @@ class RowCache:
         now = self.clock()
         # the next lookup's misses ride on this push (see RowClient): the cache's state does
         # not change before it, so they are known now
-        ahead = self._misses(ahead, now + 1) if ahead else None
+        self._coming = {n: r.numpy() for n, r in ahead.items()} if ahead else {}
+        ahead = self._misses(ahead, now + 1 + self.lag) if ahead else None
         if void:  # the PS discards this push: what is held stays held for the next one
             self._step = {}
             return self.client.push_async({}, versions, loss, samples, ticket, void=True,
@@ -237,20 +280,28 @@ class RowCache:
                 if seen is None or not torch.equal(seen, rows):
                     raise RuntimeError(f"row cache: the gradients of table {name!r} are not "
                                        "for the rows of its last lookup")
-                cached = s >= 0
-                parts.append((rows[~cached], g[~cached]))
-                held = s[cached]
-                t.pending.index_add_(0, held, g[cached])
-                fresh = t.pending_since[held] < 0
-                t.pending_since[held[fresh]] = now
-            held = (t.pending_since >= 0).nonzero().squeeze(1)
-            due = held if everything else held[now - t.pending_since[held] >= self.staleness]
-            if due.numel():
-                parts.append(t.take_due(due))
-            parts = [p for p in parts if p[0].numel()]
+                rn, gn = rows.numpy(), g.numpy()
+                cached = t.row[s] == rn if t.cap else np.zeros(rn.size, dtype=bool)
+                if cached.all():
+                    t.hold(s, gn, now)
+                else:
+                    parts.append((rn[~cached], gn[~cached]))
+                    t.hold(s[cached], gn[cached], now)
+            parts.append(t.take_due(now, self.staleness, everything))
+            parts = [p for p in parts if p[0].size]
+            if len(parts) > 1 or parts and np.any(parts[0][0][1:] <= parts[0][0][:-1]):
+                rows = np.concatenate([r for r, _ in parts])
+                order = np.argsort(rows, kind="stable")
+                parts = [(rows[order], np.concatenate([g for _, g in parts])[order])]
             if parts:
-                rows = torch.cat([r for r, _ in parts])
-                order = torch.argsort(rows)
-                out[name] = (rows[order], torch.cat([g for _, g in parts])[order])
+                out[name] = (torch.from_numpy(parts[0][0]), torch.from_numpy(parts[0][1]))
         self._step = {}
         return self.client.push_async(out, versions, loss, samples, ticket, ahead=ahead)
+
+
+def _find(sorted_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Position of each of `rows` in `sorted_rows`, -1 where absent."""
+    if not sorted_rows.size:
+        return np.full(rows.size, -1, dtype=np.int64)
+    at = np.minimum(np.searchsorted(sorted_rows, rows), sorted_rows.size - 1)
+    return np.where(sorted_rows[at] == rows, at, -1)

@@ -58,6 +58,12 @@ class Worker(Replica):
         self.tables = find_tables(self.model)
         self.table_versions: list[int] = []
         self.rows = None
+        # Pulls ahead of time: with a staleness bound of a step or more, dense all-reduce and
+        # sync rounds, step t+1 is computed while step t's round is under way, on rows read
+        # at t (see `run`). Buffers (BatchNorm) would take t+1's batch before the chief saves
+        # step t+1's: such models step one at a time.
+        self.pipelined = bool(self.tables) and self.allreduce is not None and self.sync \
+            and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model)
         if self.tables:
             self.rows = self._row_client(plan)
             sp = cfg.sparse
@@ -70,7 +76,7 @@ class Worker(Replica):
 
     def _row_client(self, plan: Plan) -> RowClient:
         return RowClient(plan.table_shards, plan.table_specs, plan.partition, self.index,
-                         stats=self.stats)
+                         stats=self.stats, lag=int(self.pipelined))
 
     def _table_clock(self) -> int:
         """The global step this worker's tables are at (the newest table shard's version)."""
@@ -109,8 +115,8 @@ class Worker(Replica):
             if self.allreduce is None:
                 self.flat.load(k, reply.params)
             replies.append(reply)
-        if self.allreduce is not None:
-            self.allreduce.settle(replies[0].version)
+        if self.allreduce is not None:  # (pipelined: applied before its push, see `run`)
+            self.allreduce.settle(replies[0].version, ahead=self.pipelined)
         if self.rows is not None:
             tables = comm.wait_all(futures[dense:])
             self.rows.receive(tables)
@@ -124,6 +130,12 @@ class Worker(Replica):
         as soon as backward completes it. Returns the loss and the push Futures; None when the
         staleness clock did not admit the gradient (`self.finished` says whether training is
         over; otherwise it was too stale)."""
+        work = self.compute(step, versions)
+        return work.loss, (None if work.futures is None else self.push(work))
+
+    def compute(self, step: int, versions: list[int]) -> "_Work":
+        """`step`'s forward and backward; the dense shards' pushes go out as backward fills
+        them, the tables' and the clock's wait for `push`."""
         x, y = self.batches.get(step)
         rng.seed_all(rng.step_seed(self.cfg.train.seed, self.replica, step))
         self.flat.zero_grad()
@@ -167,16 +179,25 @@ class Worker(Replica):
             admitted = self.client.admit(self.clock, min(versions + self.table_versions))
             if admitted.seq is None:
                 self.finished = admitted.finished
-                return value, None
+                return _Work(step, versions, value, None)
             ticket = admitted.seq
         for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
         self.flat.flush()
-        ahead = self._rows_ahead(step, x) if self.rows is not None else None
+        work = _Work(step, versions, value, futures, ticket, table_grads)
+        work.ahead = self._rows_ahead(step, x) if self.rows is not None else None
+        if self.allreduce is not None:
+            work.finite = self.allreduce.finish(versions[0])
+        return work
+
+    def push(self, work: "_Work") -> list:
+        """The clock's and the tables' pushes of a computed step: every push Future."""
+        futures, versions, value, ticket = work.futures, work.versions, work.loss, work.ticket
         if self.allreduce is not None:  # the clock shard counts the round; a non-finite
             # average (every worker has the same) is pushed as a non-finite loss: skipped
-            finite = self.allreduce.finish(versions[0])
-            args = (self.index, versions[0], _EMPTY, value if finite else float("nan"),
+            if self.pipelined:  # the next step is computed before this round's reply
+                self.allreduce.apply_pending()
+            args = (self.index, versions[0], _EMPTY, value if work.finite else float("nan"),
                     self.batch, ticket)
             if self.rows is not None and self.plan.table_shards[0].owner == self.clock.owner:
                 # in the same message as the push to the tables of the clock's PS
@@ -185,19 +206,21 @@ class Worker(Replica):
                 futures = [self.client.push_one(0, *args[1:])]
         if self.rows is not None:  # every table shard, after backward has reached the tables
             # (void, as the dense shards', when computed across an update of a master copy)
-            futures += self.rows.push_async(table_grads, self.table_versions, value, self.batch,
-                                            ticket, void=not self.flat.intact(), ahead=ahead)
-        return value, futures
+            futures += self.rows.push_async(work.table_grads, self.table_versions, value,
+                                            self.batch, ticket, void=not self.flat.intact(),
+                                            ahead=work.ahead)
+        return futures
 
     def _rows_ahead(self, step: int, x) -> Optional[dict]:
         """Sync: {table: rows} of the next step's batch, for the table shards to send back with
         this step's replies; None when the next batch is not known here (async takes whatever
         data step comes next, and the last step has none) or the tables were not given the
         batch's features as they are (a model that derives them: only its forward knows)."""
-        if self.cfg.update.name != "sync" or step + 1 >= self.cfg.train.steps \
+        nxt = step + 1 + int(self.pipelined)  # pipelined: the step after next (see `run`)
+        if self.cfg.update.name != "sync" or nxt >= self.cfg.train.steps \
                 or not all(t.fed is x for t in self.tables):
             return None
-        nxt = self.batches.get(step + 1)[0]
+        nxt = self.batches.get(nxt)[0]
         rows = {}
         for t in self.tables:
             rows.update(t.rows_for(nxt))
@@ -244,11 +267,13 @@ class Worker(Replica):
         done again in the new epoch."""
         self.finished = False
         replies: Optional[list[Reply]] = None  # none yet: pull first
+        ahead: Optional[_Work] = None  # pipelined: the next step, computed during this one's
         # Until every shard is at its last step: with backup workers (or async) one shard can
         # finish a round before another, and a worker that stopped at the first one's end
         # could leave the others a step short with nobody pushing to them.
         while replies is None or not all(r.finished for r in replies):
             if replies is None or membership.changing():
+                ahead = None
                 try:  # (the first pull too: a rank can be started again before it)
                     if membership.changing():
                         replies, versions = self.rejoin()
@@ -262,16 +287,30 @@ class Worker(Replica):
             t0 = time.perf_counter()
             step = self.data_step(versions[0])
             try:
-                loss, futures = self.step(step, versions)
-                t1 = time.perf_counter()
-                if futures is None:  # not admitted: training is over, or pull fresher params
+                if ahead is not None and ahead.versions == versions:
+                    work = ahead  # computed during the last round (the versions it foresaw)
+                else:
+                    if ahead is not None:  # foreseen wrong: its average is dropped
+                        self.allreduce.pending = None
+                    work = self.compute(step, versions)
+                ahead = None
+                loss = work.loss
+                if work.futures is None:  # not admitted: training is over, or pull fresher params
                     if self.finished:
                         break
                     replies = self.client.pull()
                     versions = self.load(replies)
                     continue
+                futures = self.push(work)
+                t1 = time.perf_counter()
+                if self.pipelined and step + 1 < self.cfg.train.steps and not ended:
+                    # Step t+1 while step t's round is under way: its rows are the ones step
+                    # t-1's reply brought (a step old, within the bound), its dense replica has
+                    # step t's update (applied by `push`); it is pushed once t's reply is in.
+                    ahead = self.compute(step + 1, [v + 1 for v in versions])
                 replies = self.receive(futures)
             except Exception as e:
+                ahead = None
                 await_change(e)
                 continue
             self.next_data_step()
@@ -289,6 +328,18 @@ class Worker(Replica):
 
 
 _EMPTY = torch.zeros(0)  # the gradient pushed to the clock shard (update.dense=allreduce)
+
+
+class _Work:
+    """A computed step, not yet pushed: its loss, the dense shards' push Futures (None: the
+    staleness clock did not admit it), its table gradients and the rows asked ahead."""
+
+    def __init__(self, step: int, versions: list[int], loss: float, futures: Optional[list],
+                 ticket: Optional[int] = None, table_grads: Optional[dict] = None):
+        self.step, self.versions, self.loss, self.futures = step, versions, loss, futures
+        self.ticket, self.table_grads = ticket, table_grads or {}
+        self.ahead: Optional[dict] = None
+        self.finite = True
 
 
 class _Grad:

@@ -103,6 +103,9 @@ class _Steps:
             step += 1
 
 
+RECENT = 3  # batches kept: this step's and the two read ahead (sparse.cache_staleness >= 1)
+
+
 class StepBatches:
     """`get(step)`: this replica's slice of global batch `step`, on `device`."""
 
@@ -113,7 +116,7 @@ class StepBatches:
         self._loader: Optional[DataLoader] = None
         self._iter = None
         self._coming = 0  # the step the loader hands out next
-        self._last: Optional[tuple[int, Any]] = None  # the last batch handed out, by step
+        self._recent: dict[int, Any] = {}  # the last RECENT batches handed out, by step
         self._window = 2 * num_workers  # steps it prepares ahead (prefetch_factor 2)
         batched = isinstance(dataset, TensorDataset) or callable(getattr(dataset, "batch", None))
         if num_workers > 0 and not batched:  # a batch at a time is already cheap
@@ -135,16 +138,18 @@ class StepBatches:
         return [(step, first + k, i) for k, i in enumerate(self._indices(step).tolist())]
 
     def get(self, step: int) -> Any:
-        """The batch of `step` (asked twice in a row, the same batch again: the worker reads
-        the next step's batch early for its table rows)."""
-        if self._last is not None and self._last[0] == step:
-            return self._last[1]
+        """The batch of `step` (asked again within RECENT steps, the same batch object: the
+        worker reads the batches of the next steps early for their table rows)."""
+        if step in self._recent:
+            return self._recent[step]
         if self._loader is None:
             batch = fetch(self.dataset, self._indices(step), self.seed, self._first(step))
         else:
             batch = self._from_loader(step)
         batch = to_device(batch, self.device)
-        self._last = (step, batch)
+        self._recent[step] = batch
+        if len(self._recent) > RECENT:
+            del self._recent[min(self._recent)]
         return batch
 
     def _from_loader(self, step: int) -> Any:

@@ -19,8 +19,12 @@ from psrpc.sparse.rows import TableSpec, partition_of
 
 class RowClient:
     def __init__(self, shards: list, specs: list[TableSpec], partition: str, worker: int,
-                 timeout_s: Optional[float] = None, stats=None):
+                 timeout_s: Optional[float] = None, stats=None, lag: int = 0):
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
+        # lag 1: the rows asked with a push are those of the batch after next, and the ones
+        # its reply brings wait through the next step's forward (pulls ahead of time, `run` in
+        # psrpc/worker/data_parallel.py)
+        self.lag = lag
         self.stats = stats  # WorkerStats: rows and bytes on the wire
         self.specs = {s.name: s for s in specs}
         self.partitions = {s.name: partition_of(s, len(shards), partition) for s in specs}
@@ -46,6 +50,9 @@ class RowClient:
                                                   for n, r in rows.items()):
                 self._ahead = None
                 return values
+        return self._pull_now(rows)
+
+    def _pull_now(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         per = self._split(rows)
         asked = [(k, comm.invoke(self.shards[k], "pull_rows",
                                  {n: local for n, (_, local) in parts.items()},
@@ -86,7 +93,9 @@ class RowClient:
         if self.stats is not None:
             self.stats.table_rpcs += len(per)
         split = self._split(ahead) if ahead else None
-        self._asked, self._ahead = ((ahead, split) if split else None), None
+        self._asked = (ahead, split) if split else None
+        if not self.lag:  # (with lag 1 the last reply's rows are for the step after this one)
+            self._ahead = None
         futures = []
         riders, self._riders = self._riders, {}
         for k, parts in enumerate(per):
@@ -126,6 +135,12 @@ class RowClient:
                 values[name][pos] = reply.rows[name]
         self._count("pulled", rows.items())
         self._ahead = (rows, values)
+
+    def take_ahead(self) -> Optional[tuple]:
+        """The rows the last reply brought ahead and their values (a row cache takes them at
+        once), or None."""
+        got, self._ahead = self._ahead, None
+        return got
 
     def _count(self, what: str, rows) -> None:
         """Rows pulled or pushed, and their bytes: an int64 id and dim float32 values each."""
