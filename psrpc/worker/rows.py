@@ -33,7 +33,15 @@ class RowClient:
         self._riders: dict[int, tuple] = {}  # server -> a call to send with its next push
 
     def _split(self, rows: dict[str, torch.Tensor]) -> list[dict[str, tuple]]:
-        """Per server: {table: (positions in rows[table], local rows)}."""
+        """Per server: {table: (positions in rows[table], local rows)}; positions None: all
+        of them, in order (one server holds every row, at its global index)."""
+        if len(self.shards) == 1:
+            for name, r in rows.items():  # (the range check the partition makes)
+                spec = self.specs[name]
+                if r.numel() and not spec.dynamic and (int(r.min()) < 0
+                                                       or int(r.max()) >= spec.num_rows):
+                    self.partitions[name].owner(r)  # raises, naming the bounds
+            return [{n: (None, r) for n, r in rows.items() if r.numel()}]
         per = [dict() for _ in self.shards]
         for name, r in rows.items():
             for k, (pos, local) in enumerate(self.partitions[name].split(r)):
@@ -71,7 +79,10 @@ class RowClient:
                                  f"{comm.owner_name(self.shards[k])} failed: "
                                  f"{first_line(e)}") from e
             for name, (pos, _) in per[k].items():
-                out[name][pos] = got[name]
+                if pos is None:
+                    out[name] = got[name]
+                else:
+                    out[name][pos] = got[name]
         return out
 
     def pull_versions(self) -> list:
@@ -100,7 +111,7 @@ class RowClient:
         riders, self._riders = self._riders, {}
         for k, parts in enumerate(per):
             payload = (shm.VOID if void else  # (a dynamic table's counts too)
-                       {n: (local, *(g[pos] for g in grads[n][1:]))
+                       {n: (local, *(g if pos is None else g[pos] for g in grads[n][1:]))
                         for n, (pos, local) in parts.items()})
             args = (self.worker, versions[k], payload, loss, samples, ticket)
             if split is None:
@@ -129,10 +140,15 @@ class RowClient:
                 or len({r.version for r in replies}) != 1:
             return
         rows, split = asked
-        values = {n: torch.empty(r.numel(), self.specs[n].dim) for n, r in rows.items()}
-        for k, reply in enumerate(replies):
-            for name, (pos, _) in split[k].items():
-                values[name][pos] = reply.rows[name]
+        if len(replies) == 1:  # every row from the one server, in order
+            values = dict(replies[0].rows)
+            values.update({n: torch.empty(0, self.specs[n].dim) for n in rows
+                           if n not in values})
+        else:
+            values = {n: torch.empty(r.numel(), self.specs[n].dim) for n, r in rows.items()}
+            for k, reply in enumerate(replies):
+                for name, (pos, _) in split[k].items():
+                    values[name][pos] = reply.rows[name]
         self._count("pulled", rows.items())
         self._ahead = (rows, values)
 
