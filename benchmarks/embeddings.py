@@ -11,7 +11,9 @@ rows of its batch and pushes their gradients) against its peers, all with the sa
   `cache.staleness` steps); psrpc_allreduce: the dense part replicated on the workers and
   averaged by a gloo all-reduce, only the tables on the PS (`update.dense=allreduce`);
   psrpc_cache_allreduce: both; psrpc_allreduce_1ps: dense all-reduce with every table on one
-  PS (one process fewer sharing the cores);
+  PS (one process fewer sharing the cores); psrpc_ahead_allreduce_1ps: that with a staleness
+  bound of one step and no cache rows (each step computed while the last one's round is under
+  way, its rows pulled ahead); psrpc_cache_allreduce_1ps: that with the cache as well;
 - torchrec: TorchRec's DistributedModelParallel over gloo: the big table sharded row-wise over
   the W ranks, each small one whole on one rank (table-wise), lookups through all-to-alls, the
   tables updated inside backward by FBGEMM's fused kernel; the MLPs in DDP.

@@ -14,11 +14,14 @@ Each cached row carries two clocks, in global steps (the table shards' version):
   would have; a stateful row optimizer (Adagrad, Adam) sees one larger step instead of s small
   ones, which is the approximation HET makes too.
 
-Slots are direct-mapped, as a CPU cache's lines: row r can live in slot r % cache_rows only, so
-a lookup, a fill and an eviction are a few vectorised operations on the batch's rows, whatever
-the capacity (no LRU order to keep, no scan of the slots). A missed row takes its slot unless a
-row of the same batch holds it; the row it displaces leaves with its held gradient, which goes
-out with the next push. Lookups outside training (evaluation, no autograd) bypass the cache and
+Slots are direct-mapped, as a CPU cache's lines: row r of a table can live in slot r % cache_rows
+of that table only, so a lookup, a fill and an eviction are a few vectorised NumPy operations on
+the batch's rows, whatever the capacity (no LRU order to keep, no scan of the slots), and the
+tables of one dim share one set of arrays, so a step pays those operations once, not per table.
+A missed row takes its slot unless a row of this lookup or of the one asked ahead holds it; the
+row it displaces leaves with its held gradient, which goes out with the next push. The rows a
+push's reply brings ahead go into their slots as the reply arrives, so the lookup they are for
+finds them there (they count as pulled, not as hits). Lookups outside training (evaluation, no autograd) bypass the cache and
 read the PS. A membership epoch or a roll back of the PS drops the cache, values and held
 gradients (this worker's last s steps of table gradients are then lost, as a step in flight is);
 a worker that joins again starts cold.
@@ -35,7 +38,7 @@ pulls and pushes every row it touches, bit for bit as without it.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -43,52 +46,66 @@ import torch
 from psrpc.sparse.rows import TableSpec
 
 
-class _Table:
-    """The cached rows of one table: `cap` direct-mapped slots (row r in slot r % cap). NumPy
-    arrays: a step makes some twenty small operations per table, and NumPy's cost per call is a
-    fraction of torch's."""
+class _Slots:
+    """The cache lines of the tables of one dim: table i owns slots [base_i, base_i + cap_i),
+    row r of it sits in slot base_i + r % cap_i. NumPy arrays (a step makes a few dozen small
+    operations, and NumPy's cost per call is a fraction of torch's)."""
 
-    def __init__(self, spec: TableSpec, cap: int):
-        self.cap, self.dim = cap, spec.dim
-        self.row = np.full(cap, -1, dtype=np.int64)  # slot -> global row (-1: free)
-        self.values = np.zeros((cap, spec.dim), dtype=np.float32)
-        self.pulled_at = np.zeros(cap, dtype=np.int64)
-        self.pending = np.zeros((cap, spec.dim), dtype=np.float32)
-        self.pending_since = np.full(cap, -1, dtype=np.int64)  # -1: nothing held
+    def __init__(self, specs: list[TableSpec], capacity: int):
+        self.names = [s.name for s in specs]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.dim = specs[0].dim
+        self.caps = np.array([max(1, min(capacity, s.num_rows)) for s in specs], dtype=np.int64)
+        self.base = np.concatenate([[0], np.cumsum(self.caps)[:-1]]).astype(np.int64)
+        total = int(self.caps.sum())
+        self.row = np.full(total, -1, dtype=np.int64)  # slot -> the row in it (-1: free)
+        self.values = np.zeros((total, self.dim), dtype=np.float32)
+        self.pulled_at = np.zeros(total, dtype=np.int64)
+        self.pending = np.zeros((total, self.dim), dtype=np.float32)
+        self.pending_since = np.full(total, -1, dtype=np.int64)  # -1: nothing held
+        self.ahead = np.zeros(total, dtype=bool)  # filled by a pull ahead, not looked up since
+        self._mark = np.zeros(total, dtype=bool)  # scratch: slots a fill must leave alone
         self.started: dict[int, list[np.ndarray]] = {}  # step -> slots that began holding
-        self.ahead = np.zeros(cap, dtype=bool)  # filled by a pull ahead, not looked up since
 
-    def lookup(self, rows: np.ndarray, now: int, staleness: int) -> tuple:
-        """(slots of `rows`, whether each row is in its slot, whether it is fresh at `now`)."""
-        if not self.cap:  # (a cache of no rows: everything passes through)
-            none = np.zeros(rows.size, dtype=bool)
-            return np.zeros(rows.size, dtype=np.int64), none, none
-        s = rows % self.cap
-        cached = self.row[s] == rows
-        return s, cached, cached & (now - self.pulled_at[s] <= staleness)
+    def place(self, rows: dict[str, torch.Tensor]) -> "_Batch":
+        """The rows of some of these tables, concatenated in table order, with their slots."""
+        names = [n for n in self.names if n in rows]
+        parts = [rows[n].numpy() for n in names]
+        tabs = [self.index[n] for n in names]
+        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        slots = np.concatenate([p % self.caps[i] + self.base[i] for p, i in zip(parts, tabs)])
+        return _Batch(names, [rows[n] for n in names], flat, slots,
+                      np.repeat(np.array(tabs, dtype=np.int64), [p.size for p in parts]))
 
-    def fill(self, rows: np.ndarray, slots: np.ndarray, values: np.ndarray, at: int,
-             batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Put missed `rows` (read at step `at`) in their `slots`, except where a row of `batch`
-        (sorted) holds the slot, or an earlier row of `rows` takes it. Returns the displaced
-        rows that held gradients, those gradients, and the positions in `rows` placed."""
-        if not self.cap:
-            return rows[:0], values[:0], np.zeros(0, dtype=np.int64)
+    def lookup(self, b: "_Batch", now: int, staleness: int) -> tuple[np.ndarray, np.ndarray]:
+        """(whether each row is in its slot, whether it is fresh at step `now`)."""
+        cached = self.row[b.slots] == b.rows
+        return cached, cached & (now - self.pulled_at[b.slots] <= staleness)
+
+    def held_slots(self, b: Optional["_Batch"]) -> np.ndarray:
+        """The slots the rows of `b` are in now."""
+        if b is None:
+            return np.zeros(0, dtype=np.int64)
+        return b.slots[self.row[b.slots] == b.rows]
+
+    def fill(self, rows: np.ndarray, slots: np.ndarray, tabs: np.ndarray, values: np.ndarray,
+             at: int, keep: np.ndarray) -> tuple[tuple, np.ndarray]:
+        """Put missed `rows` (read at step `at`) in their `slots`, except the slots in `keep`
+        (held by rows still to be looked up or pushed) and a slot an earlier row takes. Returns
+        (displaced rows that held gradients: (tables, rows, sums)) and the positions placed."""
         occupant = self.row[slots]
-        mine = occupant == rows  # a stale row of its own: refreshed in place
-        ok = mine | (occupant < 0)
-        if batch.size:  # a slot another row of this batch holds stays its
-            at_b = np.minimum(np.searchsorted(batch, occupant), batch.size - 1)
-            ok |= batch[at_b] != occupant
+        self._mark[keep] = True
+        ok = (occupant == rows) | ~self._mark[slots]  # (a stale row refreshes its own slot)
+        self._mark[keep] = False
         idx = np.flatnonzero(ok)
         _, first = np.unique(slots[idx], return_index=True)  # one row per slot: the first
         if first.size < idx.size:
-            idx = idx[first]
+            idx = idx[np.sort(first)]
         s, new = slots[idx], rows[idx]
         old = self.row[s]
         moved = old != new
         gone = moved & (old >= 0) & (self.pending_since[s] >= 0)
-        out = (old[gone], self.pending[s[gone]], idx)
+        out = (self.table_of(s[gone]), old[gone], self.pending[s[gone]])
         sm = s[moved]
         self.pending[sm] = 0
         self.pending_since[sm] = -1
@@ -96,7 +113,10 @@ class _Table:
         self.values[s] = values[idx]
         self.pulled_at[s] = at
         self.ahead[s] = False
-        return out
+        return out, idx
+
+    def table_of(self, slots: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.base, slots, side="right") - 1
 
     def hold(self, slots: np.ndarray, grads: np.ndarray, now: int) -> None:
         """Add gradients to the held sums of `slots` (their rows are cached; no slot twice)."""
@@ -107,8 +127,8 @@ class _Table:
             self.started.setdefault(now, []).append(new)
 
     def take_due(self, now: int, staleness: int, everything: bool) -> tuple:
-        """The held gradients due at `now` (held `staleness` steps, or all of them): their rows
-        and sums, cleared here."""
+        """The held gradients due at `now` (held `staleness` steps, or all of them): (tables,
+        rows, sums), cleared here."""
         if everything:
             due = np.flatnonzero(self.pending_since >= 0)
             self.started = {}
@@ -118,10 +138,24 @@ class _Table:
                 for slots in self.started.pop(step):  # (not since re-filled, or taken)
                     parts.append(slots[self.pending_since[slots] == step])
             due = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
-        rows, grads = self.row[due], self.pending[due]
+        out = (self.table_of(due), self.row[due], self.pending[due])
         self.pending[due] = 0
         self.pending_since[due] = -1
-        return rows, grads
+        return out
+
+
+class _Batch:
+    """Some tables' rows, concatenated: `tabs` says whose each is (an index in the _Slots)."""
+
+    def __init__(self, names, tensors, rows, slots, tabs):
+        self.names, self.tensors, self.rows, self.slots, self.tabs = \
+            names, tensors, rows, slots, tabs
+        ends = np.cumsum([t.numel() for t in tensors]).tolist()
+        self.bounds = list(zip([0] + ends[:-1], ends))
+
+    def split(self, a: np.ndarray) -> list[np.ndarray]:
+        """An array along the rows -> one piece per table (views)."""
+        return [a[i:j] for i, j in self.bounds] if len(self.bounds) > 1 else [a]
 
 
 class RowCache:
@@ -135,83 +169,97 @@ class RowCache:
                  hold: bool = True):
         self.client, self.staleness, self.clock, self.flush_all = client, staleness, clock, \
             flush_all
-        # 1 when the client pulls ahead of time (RowClient.lag): a forward runs at step
-        # clock() + 1, on values read at clock(), and the rows asked with a push are those of
-        # the lookup two steps on
-        self.lag = getattr(client, "lag", 0)
         self.hold = hold  # False: write-through, every gradient pushed in its own step
-        self.stats = stats
-        self.specs = {s.name: s for s in specs}
-        self.tables = {s.name: _Table(s, min(capacity, s.num_rows)) for s in specs}
-        self._step: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # last training lookup
-        self._coming: dict[str, np.ndarray] = {}  # the rows of the lookup asked ahead for
-        self._spill: dict[str, tuple] = {}  # rows pulled ahead that found no slot, values
-        self._evicted: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.stats, self.capacity, self.specs = stats, capacity, list(specs)
+        self.bind(client)
 
     def bind(self, client) -> None:
         """A new membership epoch's RowClient: the cache starts again, empty (see above)."""
+        # lag 1 when the client pulls ahead of time (RowClient.lag): a forward runs at step
+        # clock() + 1, on values read at clock(), and the rows asked with a push are those of
+        # the lookup two steps on
         self.client, self.lag = client, getattr(client, "lag", 0)
-        self.tables = {n: _Table(self.specs[n], t.cap) for n, t in self.tables.items()}
-        self._step, self._evicted, self._coming, self._spill = {}, {}, {}, {}
+        dims: dict[int, list[TableSpec]] = {}
+        for s in self.specs:
+            dims.setdefault(s.dim, []).append(s)
+        self.groups = [_Slots(g, self.capacity) for g in dims.values()]
+        self.group_of = {n: g for g in self.groups for n in g.names}
+        self._step: dict[int, _Batch] = {}  # group -> the last training lookup
+        self._coming: dict[int, _Batch] = {}  # group -> the rows asked ahead for
+        self._spill: dict[str, tuple] = {}  # rows pulled ahead that found no slot, values
+        self._evicted: list[tuple] = []  # (group, (tables, rows, sums)) to push next
+
+    def _by_group(self, rows: dict[str, torch.Tensor]) -> list[tuple[int, _Slots, _Batch]]:
+        out = []
+        for k, g in enumerate(self.groups):
+            if any(n in rows for n in g.names):
+                out.append((k, g, g.place(rows)))
+        return out
 
     # -- reads --------------------------------------------------------------------------------
     def pull(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{table: unique global rows} -> {table: (U, dim) values}, fresh within the bound."""
-        if not torch.is_grad_enabled():  # evaluation: the PS's values, nothing cached
+        if not torch.is_grad_enabled() or not self.capacity:  # evaluation: the PS's values
             return self.client.pull(rows)
         read = self.clock()  # the version values pulled now are (at least) at
         now = read + self.lag  # the step this lookup is for
-        misses, looked = {}, {}
         spill, self._spill = self._spill, {}
-        for name, r in rows.items():
-            t = self.tables[name]
-            s, _, fresh = t.lookup(r.numpy(), now, self.staleness)
-            if name in spill:  # pulled ahead, but no slot could take them
-                served = _find(spill[name][0], r.numpy()) >= 0
-                fresh = fresh & ~served
-            self.stats.cache_lookups += r.numel()
-            if t.cap:  # (rows pulled ahead for this lookup were pulled: not hits)
-                self.stats.cache_hits += int((fresh & ~t.ahead[s]).sum())
-                t.ahead[s[fresh]] = False
-            looked[name] = (s, fresh)
-            if not fresh.all():
-                misses[name] = np.flatnonzero(~fresh)
-        asked = {n: rows[n][torch.from_numpy(pos)] for n, pos in misses.items()}
-        got = {}
-        for name in list(asked):
-            if name in spill:  # served from what was pulled ahead, the rest pulled now
-                at = _find(spill[name][0], asked[name].numpy())
-                v = np.empty((at.size, self.tables[name].dim), dtype=np.float32)
-                v[at >= 0] = spill[name][1][at[at >= 0]]
-                got[name] = (v, at < 0)
-                rest = asked[name][torch.from_numpy(at < 0)]
-                if rest.numel():
-                    asked[name] = rest
-                else:
-                    del asked[name]
-        pulled = self.client.pull(asked) if asked else {}
-        for name, g in pulled.items():
-            if name in got:
-                got[name][0][got[name][1]] = g.numpy()
-            else:
-                got[name] = (g.numpy(), None)
-        got = {n: torch.from_numpy(v) for n, (v, _) in got.items()}
+        looked, asked = [], {}
+        for k, g, b in self._by_group(rows):
+            cached, fresh = g.lookup(b, now, self.staleness)
+            if spill:  # pulled ahead, but no slot could take them: taken from there
+                for i, part in enumerate(b.split(fresh)):
+                    if b.names[i] in spill:
+                        part &= _find(spill[b.names[i]][0], b.tensors[i].numpy()) < 0
+            self.stats.cache_lookups += b.rows.size
+            self.stats.cache_hits += int((fresh & ~g.ahead[b.slots]).sum())  # (ahead: pulled)
+            g.ahead[b.slots[fresh]] = False
+            miss = np.flatnonzero(~fresh)
+            for i, part in enumerate(b.split(~fresh)):
+                if part.any():
+                    asked[b.names[i]] = b.tensors[i][torch.from_numpy(part)]
+            looked.append((k, g, b, cached, fresh, miss))
+            self._step[k] = b
+        got = self._fetch(asked, spill)
         out = {}
-        for name, r in rows.items():
-            t, (s, fresh) = self.tables[name], looked[name]
-            values = np.empty((r.numel(), t.dim), dtype=np.float32)
-            values[fresh] = t.values[s[fresh]]
-            if name in misses:
-                pos, v = misses[name], got[name].numpy()
-                values[pos] = v
-                rn = r.numpy()
-                keep = np.union1d(rn, self._coming[name]) if name in self._coming else rn
-                gone = t.fill(rn[pos], s[pos], v, read, keep)  # (the next lookup's rows stay)
+        for k, g, b, cached, fresh, miss in looked:
+            values = np.empty((b.rows.size, g.dim), dtype=np.float32)
+            values[fresh] = g.values[b.slots[fresh]]
+            if miss.size:
+                v = np.concatenate([got[n] for n in b.names if n in got])
+                values[miss] = v
+                keep = np.concatenate([b.slots[cached], g.held_slots(self._coming.get(k))])
+                gone, _ = g.fill(b.rows[miss], b.slots[miss], b.tabs[miss], v, read, keep)
                 if gone[0].size:
-                    self._evicted.setdefault(name, []).append(gone[:2])
-            out[name] = torch.from_numpy(values)
-            self._step[name] = (r, s)
+                    self._evicted.append((k, gone))
+            for name, part in zip(b.names, b.split(values)):
+                out[name] = torch.from_numpy(part)
         return out
+
+    def _fetch(self, asked: dict[str, torch.Tensor], spill: dict) -> dict[str, np.ndarray]:
+        """{table: rows} -> {table: values}: what was pulled ahead without a slot, the rest
+        pulled now."""
+        got, need = {}, {}
+        for name, r in asked.items():
+            if name not in spill:
+                need[name] = r
+                continue
+            at = _find(spill[name][0], r.numpy())
+            v = np.empty((r.numel(), spill[name][1].shape[1]), dtype=np.float32)
+            v[at >= 0] = spill[name][1][at[at >= 0]]
+            got[name] = v
+            if (at < 0).any():
+                need[name] = (r[torch.from_numpy(at < 0)], v, at < 0)
+        plain = {n: r for n, r in need.items() if torch.is_tensor(r)}
+        pulled = self.client.pull({n: r if torch.is_tensor(r) else r[0]
+                                   for n, r in need.items()}) if need else {}
+        for name, values in pulled.items():
+            if name in plain:
+                got[name] = values.numpy()
+            else:
+                _, v, where = need[name]
+                v[where] = values.numpy()
+        return got
 
     def pull_versions(self) -> list:
         return self.client.pull_versions()
@@ -221,32 +269,35 @@ class RowCache:
         replies' version (the lookup they are for then finds them fresh), keeping the slots of
         the rows the next push and the next lookup name."""
         self.client.receive(replies)
-        got = self.client.take_ahead()
+        got = self.client.take_ahead() if self.capacity else None
         coming, self._coming = self._coming, {}
         if got is None:
             return
         at = replies[0].version
-        for name, r in got[0].items():
-            keep = coming.get(name, np.zeros(0, dtype=np.int64))
-            if name in self._step:
-                keep = np.union1d(keep, self._step[name][0].numpy())
-            t, rn, v = self.tables[name], r.numpy(), got[1][name].numpy()
-            gone = t.fill(rn, rn % t.cap if t.cap else rn, v, at, keep)
+        for k, g, b in self._by_group(got[0]):
+            v = np.concatenate([got[1][n].numpy() for n in b.names])
+            keep = np.concatenate([g.held_slots(coming.get(k)), g.held_slots(self._step.get(k))])
+            gone, placed = g.fill(b.rows, b.slots, b.tabs, v, at, keep)
             if gone[0].size:
-                self._evicted.setdefault(name, []).append(gone[:2])
-            t.ahead[rn[gone[2]] % t.cap if t.cap else gone[2]] = True
-            if gone[2].size < rn.size:  # no slot for some: they wait beside the cache
-                left = np.ones(rn.size, dtype=bool)
-                left[gone[2]] = False
-                self._spill[name] = (rn[left], v[left])
+                self._evicted.append((k, gone))
+            g.ahead[b.slots[placed]] = True
+            if placed.size < b.rows.size:  # no slot for some: they wait beside the cache
+                left = np.ones(b.rows.size, dtype=bool)
+                left[placed] = False
+                for name, rows, vals, lf in zip(b.names, b.split(b.rows), b.split(v),
+                                                b.split(left)):
+                    if lf.any():
+                        self._spill[name] = (rows[lf], vals[lf])
 
     def _misses(self, rows: dict[str, torch.Tensor], now: int) -> dict[str, torch.Tensor]:
         """{table: the rows of `rows` a lookup at step `now` cannot serve from here}."""
         out = {}
-        for name, r in rows.items():
-            fresh = self.tables[name].lookup(r.numpy(), now, self.staleness)[2]
-            if not fresh.all():
-                out[name] = r[torch.from_numpy(~fresh)]
+        for k, g, b in self._by_group(rows):
+            self._coming[k] = b
+            fresh = g.lookup(b, now, self.staleness)[1]
+            for name, t, part in zip(b.names, b.tensors, b.split(~fresh)):
+                if part.any():
+                    out[name] = t[torch.from_numpy(part)]
         return out
 
     # -- writes -------------------------------------------------------------------------------
@@ -258,44 +309,51 @@ class RowCache:
                    versions: list[int], loss: float, samples: int, ticket=None,
                    void: bool = False, ahead=None) -> list:
         """Holds the gradients of cached rows, pushes the rest and what is due."""
+        if not self.capacity:
+            return self.client.push_async(grads, versions, loss, samples, ticket, void=void,
+                                          ahead=ahead)
         now = self.clock()
-        # the next lookup's misses ride on this push (see RowClient): the cache's state does
-        # not change before it, so they are known now
-        self._coming = {n: r.numpy() for n, r in ahead.items()} if ahead else {}
+        # the rows of the lookup asked ahead ride on this push (see RowClient) when they are
+        # not fresh here then: nothing but a lookup or a reply changes what is cached
+        self._coming = {}
         ahead = self._misses(ahead, now + 1 + self.lag) if ahead else None
+        step, self._step = self._step, {}
         if void:  # the PS discards this push: what is held stays held for the next one
-            self._step = {}
             return self.client.push_async({}, versions, loss, samples, ticket, void=True,
                                           ahead=ahead)
         if not self.hold:  # write-through: the cache only serves reads
-            self._step = {}
             return self.client.push_async(grads, versions, loss, samples, ticket, ahead=ahead)
         everything = self.flush_all(now)
+        parts: dict[int, list] = {}
+        for k, gone in self._evicted:
+            parts.setdefault(k, []).append(gone)
+        self._evicted = []
+        for k, g in enumerate(self.groups):
+            b = step.get(k)
+            mine = [n for n in g.names if n in grads]
+            if b is None and mine or b is not None and (b.names != mine or any(
+                    a is not grads[n][0] and not torch.equal(a, grads[n][0])
+                    for n, a in zip(b.names, b.tensors))):
+                raise RuntimeError(f"row cache: the gradients of tables {mine} are not for the "
+                                   "rows of their last lookup")
+            if b is not None:
+                gn = np.concatenate([grads[n][1].numpy() for n in b.names])
+                cached = g.row[b.slots] == b.rows
+                g.hold(b.slots[cached], gn[cached], now)
+                if not cached.all():
+                    parts.setdefault(k, []).append((b.tabs[~cached], b.rows[~cached],
+                                                    gn[~cached]))
+            parts.setdefault(k, []).append(g.take_due(now, self.staleness, everything))
         out = {}
-        for name, t in self.tables.items():
-            parts = self._evicted.pop(name, [])
-            if name in grads:
-                rows, g = grads[name]
-                seen, s = self._step.get(name, (None, None))
-                if seen is None or not torch.equal(seen, rows):
-                    raise RuntimeError(f"row cache: the gradients of table {name!r} are not "
-                                       "for the rows of its last lookup")
-                rn, gn = rows.numpy(), g.numpy()
-                cached = t.row[s] == rn if t.cap else np.zeros(rn.size, dtype=bool)
-                if cached.all():
-                    t.hold(s, gn, now)
-                else:
-                    parts.append((rn[~cached], gn[~cached]))
-                    t.hold(s[cached], gn[cached], now)
-            parts.append(t.take_due(now, self.staleness, everything))
-            parts = [p for p in parts if p[0].size]
-            if len(parts) > 1 or parts and np.any(parts[0][0][1:] <= parts[0][0][:-1]):
-                rows = np.concatenate([r for r, _ in parts])
-                order = np.argsort(rows, kind="stable")
-                parts = [(rows[order], np.concatenate([g for _, g in parts])[order])]
-            if parts:
-                out[name] = (torch.from_numpy(parts[0][0]), torch.from_numpy(parts[0][1]))
-        self._step = {}
+        for k, pieces in parts.items():
+            g = self.groups[k]
+            tabs, rows, sums = (np.concatenate([p[i] for p in pieces]) for i in range(3))
+            order = np.lexsort((rows, tabs))  # by table, rows ascending in each
+            rows, sums = rows[order], sums[order]
+            ends = np.cumsum(np.bincount(tabs, minlength=len(g.names))).tolist()
+            for name, i, j in zip(g.names, [0] + ends[:-1], ends):
+                if j > i:
+                    out[name] = (torch.from_numpy(rows[i:j]), torch.from_numpy(sums[i:j]))
         return self.client.push_async(out, versions, loss, samples, ticket, ahead=ahead)
 
 
