@@ -126,3 +126,48 @@ def test_a_killed_ps_rolls_the_replicas_back_with_the_tables(tmp_path):
                            fast=False)
     assert restored[0]["restored_from_step"] == back
     assert_equal_model(state, restored[1])
+
+
+@pytest.mark.parametrize("restore_by", ["settle", "catch_up"])
+def test_a_step_applied_ahead_of_a_round_that_does_not_close_is_undone(restore_by):
+    """Pulling ahead applies a step's average before the clock's reply: when the reply (or a
+    new epoch's line-up) says the round did not close, parameters, Adam's moments and step
+    count and the version are as before it, bit for bit; when it closed, the update stays."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from psrpc.worker.allreduce import DenseAllReduce
+    from psrpc.worker.plan import DenseState
+
+    params = [torch.randn(5), torch.randn(3)]
+    cfg = SimpleNamespace(optim=SimpleNamespace(name="adam", lr=0.1, betas=[0.9, 0.999],
+                                                eps=1e-8, weight_decay=0.0, schedule="constant",
+                                                warmup_steps=0),
+                          train=SimpleNamespace(steps=100), cluster=SimpleNamespace(
+                              rpc_timeout_s=None, init_timeout_s=30),
+                          update=SimpleNamespace(timeout_s=30))
+    flat = SimpleNamespace(params=params, grads=[torch.randn(5), torch.randn(3)])
+    ar = DenseAllReduce(cfg, 0, 1, flat, DenseState(0, [p.clone() for p in params], [{}, {}]))
+    for step in range(3):  # some state first: moments and a step count
+        ar.pending = step
+        ar.apply_pending()
+        ar.settle(step + 1, ahead=True)
+    before = ar.state()
+    ar.pending = 3
+    ar.apply_pending()
+    assert ar.version == 4 and not torch.equal(params[0], before.flats[0])
+    if restore_by == "settle":
+        ar.settle(3, ahead=True)  # the clock did not move: the round did not close
+    else:
+        ar.catch_up(3)  # a new epoch lines the shards up at step 3
+    after = ar.state()
+    assert after.version == 3
+    for a, b in zip(after.flats, before.flats):
+        assert torch.equal(a, b)
+    for a, b in zip(after.states, before.states):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ar.pending = 3  # and a round that closes keeps its update
+    ar.apply_pending()
+    ar.settle(4, ahead=True)
+    assert ar.version == 4 and not torch.equal(params[0], before.flats[0])

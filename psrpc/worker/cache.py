@@ -66,16 +66,30 @@ class _Slots:
         self.ahead = np.zeros(total, dtype=bool)  # filled by a pull ahead, not looked up since
         self._mark = np.zeros(total, dtype=bool)  # scratch: slots a fill must leave alone
         self.started: dict[int, list[np.ndarray]] = {}  # step -> slots that began holding
+        self.geometry = {n: (int(c), int(b)) for n, c, b in zip(self.names, self.caps, self.base)}
+        self._placed: list[_Batch] = []  # the last batches placed (this lookup, the next two)
 
     def place(self, rows: dict[str, torch.Tensor]) -> "_Batch":
-        """The rows of some of these tables, concatenated in table order, with their slots."""
+        """The rows of some of these tables, concatenated in table order, with their slots
+        (worked out once for the same row tensors: a push asks ahead for the very rows its
+        lookup will name)."""
         names = [n for n in self.names if n in rows]
-        parts = [rows[n].numpy() for n in names]
-        tabs = [self.index[n] for n in names]
-        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        slots = np.concatenate([p % self.caps[i] + self.base[i] for p, i in zip(parts, tabs)])
-        return _Batch(names, [rows[n] for n in names], flat, slots,
-                      np.repeat(np.array(tabs, dtype=np.int64), [p.size for p in parts]))
+        tensors = [rows[n] for n in names]
+        for b in self._placed:
+            if b.names == names and all(a is t for a, t in zip(b.tensors, tensors)):
+                return b
+        parts = [t.numpy() for t in tensors]
+        slots = []
+        for n, p in zip(names, parts):
+            cap, base = self.geometry[n]
+            s = p % cap
+            if base:
+                s += base
+            slots.append(s)
+        b = _Batch(names, tensors, np.concatenate(parts) if len(parts) > 1 else parts[0],
+                   np.concatenate(slots) if len(slots) > 1 else slots[0])
+        self._placed = self._placed[-2:] + [b]
+        return b
 
     def lookup(self, b: "_Batch", now: int, staleness: int) -> tuple[np.ndarray, np.ndarray]:
         """(whether each row is in its slot, whether it is fresh at step `now`)."""
@@ -88,8 +102,8 @@ class _Slots:
             return np.zeros(0, dtype=np.int64)
         return b.slots[self.row[b.slots] == b.rows]
 
-    def fill(self, rows: np.ndarray, slots: np.ndarray, tabs: np.ndarray, values: np.ndarray,
-             at: int, keep: np.ndarray) -> tuple[tuple, np.ndarray]:
+    def fill(self, rows: np.ndarray, slots: np.ndarray, values: np.ndarray, at: int,
+             keep: np.ndarray) -> tuple[tuple, np.ndarray]:
         """Put missed `rows` (read at step `at`) in their `slots`, except the slots in `keep`
         (held by rows still to be looked up or pushed) and a slot an earlier row takes. Returns
         (displaced rows that held gradients: (tables, rows, sums)) and the positions placed."""
@@ -145,11 +159,10 @@ class _Slots:
 
 
 class _Batch:
-    """Some tables' rows, concatenated: `tabs` says whose each is (an index in the _Slots)."""
+    """Some tables' rows, concatenated in table order, with their slots."""
 
-    def __init__(self, names, tensors, rows, slots, tabs):
-        self.names, self.tensors, self.rows, self.slots, self.tabs = \
-            names, tensors, rows, slots, tabs
+    def __init__(self, names, tensors, rows, slots):
+        self.names, self.tensors, self.rows, self.slots = names, tensors, rows, slots
         ends = np.cumsum([t.numel() for t in tensors]).tolist()
         self.bounds = list(zip([0] + ends[:-1], ends))
 
@@ -185,7 +198,7 @@ class RowCache:
         self.groups = [_Slots(g, self.capacity) for g in dims.values()]
         self.group_of = {n: g for g in self.groups for n in g.names}
         self._step: dict[int, _Batch] = {}  # group -> the last training lookup
-        self._coming: dict[int, _Batch] = {}  # group -> the rows asked ahead for
+        self._coming: dict[int, tuple] = {}  # group -> (the rows asked ahead for, which asked)
         self._spill: dict[str, tuple] = {}  # rows pulled ahead that found no slot, values
         self._evicted: list[tuple] = []  # (group, (tables, rows, sums)) to push next
 
@@ -228,8 +241,9 @@ class RowCache:
             if miss.size:
                 v = np.concatenate([got[n] for n in b.names if n in got])
                 values[miss] = v
-                keep = np.concatenate([b.slots[cached], g.held_slots(self._coming.get(k))])
-                gone, _ = g.fill(b.rows[miss], b.slots[miss], b.tabs[miss], v, read, keep)
+                keep = np.concatenate([b.slots[cached], g.held_slots(
+                    self._coming[k][0] if k in self._coming else None)])
+                gone, _ = g.fill(b.rows[miss], b.slots[miss], v, read, keep)
                 if gone[0].size:
                     self._evicted.append((k, gone))
             for name, part in zip(b.names, b.split(values)):
@@ -273,28 +287,34 @@ class RowCache:
         coming, self._coming = self._coming, {}
         if got is None:
             return
-        at = replies[0].version
-        for k, g, b in self._by_group(got[0]):
-            v = np.concatenate([got[1][n].numpy() for n in b.names])
-            keep = np.concatenate([g.held_slots(coming.get(k)), g.held_slots(self._step.get(k))])
-            gone, placed = g.fill(b.rows, b.slots, b.tabs, v, at, keep)
+        at, (asked, values) = replies[0].version, got
+        for k, (b, miss) in coming.items():  # the rows asked: those `miss` marks, in order
+            names = [n for n in b.names if n in asked]
+            if not names:
+                continue
+            g = self.groups[k]
+            rows, slots = b.rows[miss], b.slots[miss]
+            v = np.concatenate([values[n].numpy() for n in names])
+            keep = np.concatenate([g.held_slots(b), g.held_slots(self._step.get(k))])
+            gone, placed = g.fill(rows, slots, v, at, keep)
             if gone[0].size:
                 self._evicted.append((k, gone))
-            g.ahead[b.slots[placed]] = True
-            if placed.size < b.rows.size:  # no slot for some: they wait beside the cache
-                left = np.ones(b.rows.size, dtype=bool)
+            g.ahead[slots[placed]] = True
+            if placed.size < rows.size:  # no slot for some: they wait beside the cache
+                left = np.ones(rows.size, dtype=bool)
                 left[placed] = False
-                for name, rows, vals, lf in zip(b.names, b.split(b.rows), b.split(v),
-                                                b.split(left)):
+                ends = np.cumsum([asked[n].numel() for n in names]).tolist()
+                for name, i, j in zip(names, [0] + ends[:-1], ends):
+                    lf = left[i:j]
                     if lf.any():
-                        self._spill[name] = (rows[lf], vals[lf])
+                        self._spill[name] = (rows[i:j][lf], v[i:j][lf])
 
     def _misses(self, rows: dict[str, torch.Tensor], now: int) -> dict[str, torch.Tensor]:
         """{table: the rows of `rows` a lookup at step `now` cannot serve from here}."""
         out = {}
         for k, g, b in self._by_group(rows):
-            self._coming[k] = b
             fresh = g.lookup(b, now, self.staleness)[1]
+            self._coming[k] = (b, ~fresh)
             for name, t, part in zip(b.names, b.tensors, b.split(~fresh)):
                 if part.any():
                     out[name] = t[torch.from_numpy(part)]
@@ -341,8 +361,8 @@ class RowCache:
                 cached = g.row[b.slots] == b.rows
                 g.hold(b.slots[cached], gn[cached], now)
                 if not cached.all():
-                    parts.setdefault(k, []).append((b.tabs[~cached], b.rows[~cached],
-                                                    gn[~cached]))
+                    parts.setdefault(k, []).append((g.table_of(b.slots[~cached]),
+                                                    b.rows[~cached], gn[~cached]))
             parts.setdefault(k, []).append(g.take_due(now, self.staleness, everything))
         out = {}
         for k, pieces in parts.items():
