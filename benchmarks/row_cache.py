@@ -41,14 +41,15 @@ def main(argv: list[str]) -> None:
     elif b.movielens:
         print(f"row_cache: {b.movielens} holds no ml-100k.inter: MovieLens skipped", flush=True)
     rows = []
-    for name, base in datasets.items():
-        common = base + [f"cluster.num_workers={b.workers}", f"cluster.num_ps={b.num_ps}"]
+    for (name, base), dense in [(d, m) for d in datasets.items() for m in b.dense]:
+        common = base + [f"cluster.num_workers={b.workers}", f"cluster.num_ps={b.num_ps}",
+                         f"update.dense={dense}"]
         exact = None
         for s, writes in [(0, None)] + [(s, w) for s in b.staleness for w in b.writes]:
             cache = ([f"sparse.cache_rows={b.cache_rows}", f"sparse.cache_staleness={s}",
                       f"sparse.cache_writes={writes}"] if s else [])
             summary = run_psrpc(common + cache)
-            row = {"data": name, "staleness": s, "writes": writes or "",
+            row = {"data": name, "dense": dense, "staleness": s, "writes": writes or "",
                    "cache_rows": b.cache_rows if s else 0,
                    "test_auc": round(summary["test_auc"], 4),
                    "cache_hit_rate": summary["cache_hit_rate"],
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> None:
             row["auc_minus_exact"] = round(row["test_auc"] - exact["test_auc"], 4)
             rows.append(row)
             print(row, flush=True)
-        if name == "movielens":
+        if name == "movielens" and dense == b.dense[-1]:
             from psrpc.recsys.data import movielens
             from psrpc.recsys.reference import logistic_regression_auc
 
@@ -73,22 +74,25 @@ def main(argv: list[str]) -> None:
                          "test_auc": round(lr, 4)})
             print(rows[-1], flush=True)
     write_results(ROOT / b.out, meta, rows,
-                  ["data", "staleness", "writes", "cache_rows", "test_auc", "auc_minus_exact",
+                  ["data", "dense", "staleness", "writes", "cache_rows", "test_auc", "auc_minus_exact",
                    "cache_hit_rate", "sparse_bytes_per_step", "bytes_vs_exact",
                    "table_rpcs_per_step", "samples_per_s"],
                   f"Hot-row cache: W={b.workers}, {b.num_ps} PS, {b.cache_rows} rows per table "
                   "per worker", plot,
                   notes="staleness 0: the exact run (no cache). sparse_bytes_per_step: embedding "
-                        "rows pulled and pushed per worker step, 8 + 4·dim bytes each.")
+                        "rows pulled and pushed per worker step, 8 + 4·dim bytes each. dense "
+                        "allreduce: update.dense=allreduce, where a staleness of 1 or more also "
+                        "pulls ahead (each step computed while the last one's round runs).")
 
 
 def plot(plt, rows):
     fig, (a, c) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for name in dict.fromkeys(r["data"] for r in rows):
-        for writes in dict.fromkeys(r["writes"] for r in rows if r.get("writes")):
-            rs = [r for r in rows if r["data"] == name and "bytes_vs_exact" in r
+    runs = [r for r in rows if "bytes_vs_exact" in r]
+    for name, dense in dict.fromkeys((r["data"], r["dense"]) for r in runs):
+        for writes in dict.fromkeys(r["writes"] for r in runs if r.get("writes")):
+            rs = [r for r in runs if r["data"] == name and r["dense"] == dense
                   and r["writes"] in ("", writes)]  # the exact run starts every line
-            label = f"{name}, writes={writes}"
+            label = f"{name}, dense {dense}, writes={writes}"
             a.plot([r["staleness"] for r in rs], [r["bytes_vs_exact"] for r in rs], "o-",
                    label=label)
             c.plot([r["staleness"] for r in rs], [r["test_auc"] for r in rs], "o-", label=label)
