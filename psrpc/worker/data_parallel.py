@@ -308,6 +308,7 @@ class Worker(Replica):
                     # t-1's reply brought (a step old, within the bound), its dense replica has
                     # step t's update (applied by `push`); it is pushed once t's reply is in.
                     ahead = self.compute(step + 1, [v + 1 for v in versions])
+                    t1 = time.perf_counter()  # (from here: the wait for t's reply)
                 replies = self.receive(futures)
             except Exception as e:
                 ahead = None
