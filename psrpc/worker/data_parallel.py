@@ -288,20 +288,19 @@ class Worker(Replica):
             step = self.data_step(versions[0])
             try:
                 if ahead is not None and ahead.versions == versions:
-                    work = ahead  # computed during the last round (the versions it foresaw)
+                    # computed during the last round (the versions it foresaw)
+                    loss, futures = ahead.loss, self.push(ahead)
                 else:
                     if ahead is not None:  # foreseen wrong: its average is dropped
                         self.allreduce.pending = None
-                    work = self.compute(step, versions)
+                    loss, futures = self.step(step, versions)
                 ahead = None
-                loss = work.loss
-                if work.futures is None:  # not admitted: training is over, or pull fresher params
+                if futures is None:  # not admitted: training is over, or pull fresher params
                     if self.finished:
                         break
                     replies = self.client.pull()
                     versions = self.load(replies)
                     continue
-                futures = self.push(work)
                 t1 = time.perf_counter()
                 if self.pipelined and step + 1 < self.cfg.train.steps and not ended:
                     # Step t+1 while step t's round is under way: its rows are the ones step
