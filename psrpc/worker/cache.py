@@ -225,20 +225,29 @@ class RowCache:
                     if b.names[i] in spill:
                         part &= _find(spill[b.names[i]][0], b.tensors[i].numpy()) < 0
             self.stats.cache_lookups += b.rows.size
-            self.stats.cache_hits += int((fresh & ~g.ahead[b.slots]).sum())  # (ahead: pulled)
+            if fresh.all():  # (the steady state of pulling ahead)
+                self.stats.cache_hits += b.rows.size - int(g.ahead[b.slots].sum())
+                g.ahead[b.slots] = False  # (ahead: pulled, not hits)
+                looked.append((k, g, b, cached, None, None))
+                self._step[k] = b
+                continue
+            self.stats.cache_hits += int((fresh & ~g.ahead[b.slots]).sum())
             g.ahead[b.slots[fresh]] = False
             miss = np.flatnonzero(~fresh)
             for i, part in enumerate(b.split(~fresh)):
                 if part.any():
-                    asked[b.names[i]] = b.tensors[i][torch.from_numpy(part)]
+                    asked[b.names[i]] = torch.from_numpy(b.tensors[i].numpy()[part])
             looked.append((k, g, b, cached, fresh, miss))
             self._step[k] = b
         got = self._fetch(asked, spill)
         out = {}
         for k, g, b, cached, fresh, miss in looked:
-            values = np.empty((b.rows.size, g.dim), dtype=np.float32)
-            values[fresh] = g.values[b.slots[fresh]]
-            if miss.size:
+            if fresh is None:  # every row served from here
+                values = g.values[b.slots]
+            else:
+                values = np.empty((b.rows.size, g.dim), dtype=np.float32)
+                values[fresh] = g.values[b.slots[fresh]]
+            if miss is not None and miss.size:
                 v = np.concatenate([got[n] for n in b.names if n in got])
                 values[miss] = v
                 keep = np.concatenate([b.slots[cached], g.held_slots(
@@ -317,7 +326,7 @@ class RowCache:
             self._coming[k] = (b, ~fresh)
             for name, t, part in zip(b.names, b.tensors, b.split(~fresh)):
                 if part.any():
-                    out[name] = t[torch.from_numpy(part)]
+                    out[name] = torch.from_numpy(t.numpy()[part])
         return out
 
     # -- writes -------------------------------------------------------------------------------
@@ -359,8 +368,10 @@ class RowCache:
             if b is not None:
                 gn = np.concatenate([grads[n][1].numpy() for n in b.names])
                 cached = g.row[b.slots] == b.rows
-                g.hold(b.slots[cached], gn[cached], now)
-                if not cached.all():
+                if cached.all():
+                    g.hold(b.slots, gn, now)
+                else:
+                    g.hold(b.slots[cached], gn[cached], now)
                     parts.setdefault(k, []).append((g.table_of(b.slots[~cached]),
                                                     b.rows[~cached], gn[~cached]))
             parts.setdefault(k, []).append(g.take_due(now, self.staleness, everything))
