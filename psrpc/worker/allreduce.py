@@ -100,9 +100,7 @@ class DenseAllReduce:
         """Bring the replica to global step `target` (where the clock is): a round it averaged
         whose reply was lost is applied once the clock has passed it; further steps passed
         without an update are counted as the shards count them."""
-        if self._undo is not None and target <= self._undo[0]:
-            self._restore()  # applied ahead of a round that never closed
-        self._undo = None
+        self._confirm(target)
         if target < self.version:
             raise RuntimeError(f"the dense replica is at step {self.version}, past the clock's "
                                f"{target}: replicas would differ")
@@ -159,8 +157,9 @@ class DenseAllReduce:
         return finite
 
     def abandon(self) -> None:
-        """Before a step: drop what a failed one left (a membership change)."""
-        self._works, self._ready, self._next = [], set(), 0
+        """Before a step: drop what a failed one left (a membership change), or the average
+        of a step computed ahead for a version the clock's reply did not confirm."""
+        self._works, self._ready, self._next, self.pending = [], set(), 0, None
 
     def settle(self, version: int, ahead: bool = False) -> None:
         """The clock's reply for the pending step says it is at `version`: once its round has
@@ -169,9 +168,7 @@ class DenseAllReduce:
         `ahead`: the step was applied before its push (`apply_pending`) and the one pending
         now is the next step's, computed while this reply was on its way: it stays."""
         if ahead:
-            if self._undo is not None and version <= self._undo[0]:
-                self._restore()  # the round it was applied ahead of did not close (a freeze)
-            self._undo = None
+            self._confirm(version)
             self.version = max(self.version, version)
             return
         if self.pending is not None and version > self.pending:
@@ -195,9 +192,14 @@ class DenseAllReduce:
             self.apply(self.pending)
         self.pending = None
 
-    def _restore(self) -> None:
-        """Undo the step `apply_pending` applied: parameters, optimizer state, version."""
-        _, self.version, params, states = self._undo
+    def _confirm(self, clock: int) -> None:
+        """The clock is at step `clock`: a step `apply_pending` applied whose round it has not
+        passed (a freeze, a worker that died before its push) is undone: parameters,
+        optimizer state, version."""
+        undo, self._undo = self._undo, None
+        if undo is None or clock > undo[0]:
+            return
+        _, self.version, params, states = undo
         with torch.no_grad():
             for p, saved in zip(self.flat.params, params):
                 p.copy_(saved)
@@ -205,7 +207,6 @@ class DenseAllReduce:
             state = opt.state[p]
             state.clear()
             state.update(saved)
-        self._undo = None
 
     def apply(self, step: int) -> None:
         """One optimizer step with the averaged gradient at step `step`'s learning rate."""

@@ -53,7 +53,6 @@ class _Slots:
 
     def __init__(self, specs: list[TableSpec], capacity: int):
         self.names = [s.name for s in specs]
-        self.index = {n: i for i, n in enumerate(self.names)}
         self.dim = specs[0].dim
         self.caps = np.array([max(1, min(capacity, s.num_rows)) for s in specs], dtype=np.int64)
         self.base = np.concatenate([[0], np.cumsum(self.caps)[:-1]]).astype(np.int64)
@@ -196,7 +195,6 @@ class RowCache:
         for s in self.specs:
             dims.setdefault(s.dim, []).append(s)
         self.groups = [_Slots(g, self.capacity) for g in dims.values()]
-        self.group_of = {n: g for g in self.groups for n in g.names}
         self._step: dict[int, _Batch] = {}  # group -> the last training lookup
         self._coming: dict[int, tuple] = {}  # group -> (the rows asked ahead for, which asked)
         self._spill: dict[str, tuple] = {}  # rows pulled ahead that found no slot, values
@@ -224,25 +222,23 @@ class RowCache:
                 for i, part in enumerate(b.split(fresh)):
                     if b.names[i] in spill:
                         part &= _find(spill[b.names[i]][0], b.tensors[i].numpy()) < 0
+            self._step[k] = b
             self.stats.cache_lookups += b.rows.size
             if fresh.all():  # (the steady state of pulling ahead)
                 self.stats.cache_hits += b.rows.size - int(g.ahead[b.slots].sum())
                 g.ahead[b.slots] = False  # (ahead: pulled, not hits)
-                looked.append((k, g, b, cached, None, None))
-                self._step[k] = b
+                looked.append((k, g, b, cached, fresh, None))
                 continue
             self.stats.cache_hits += int((fresh & ~g.ahead[b.slots]).sum())
             g.ahead[b.slots[fresh]] = False
-            miss = np.flatnonzero(~fresh)
             for i, part in enumerate(b.split(~fresh)):
                 if part.any():
                     asked[b.names[i]] = torch.from_numpy(b.tensors[i].numpy()[part])
-            looked.append((k, g, b, cached, fresh, miss))
-            self._step[k] = b
+            looked.append((k, g, b, cached, fresh, np.flatnonzero(~fresh)))
         got = self._fetch(asked, spill)
         out = {}
         for k, g, b, cached, fresh, miss in looked:
-            if fresh is None:  # every row served from here
+            if miss is None:  # every row served from here
                 values = g.values[b.slots]
             else:
                 values = np.empty((b.rows.size, g.dim), dtype=np.float32)
@@ -262,26 +258,21 @@ class RowCache:
     def _fetch(self, asked: dict[str, torch.Tensor], spill: dict) -> dict[str, np.ndarray]:
         """{table: rows} -> {table: values}: what was pulled ahead without a slot, the rest
         pulled now."""
-        got, need = {}, {}
+        got, need, into = {}, {}, {}  # into: where in got[table] the pulled rows go
         for name, r in asked.items():
             if name not in spill:
                 need[name] = r
                 continue
             at = _find(spill[name][0], r.numpy())
-            v = np.empty((r.numel(), spill[name][1].shape[1]), dtype=np.float32)
-            v[at >= 0] = spill[name][1][at[at >= 0]]
-            got[name] = v
+            got[name] = np.empty((r.numel(), spill[name][1].shape[1]), dtype=np.float32)
+            got[name][at >= 0] = spill[name][1][at[at >= 0]]
             if (at < 0).any():
-                need[name] = (r[torch.from_numpy(at < 0)], v, at < 0)
-        plain = {n: r for n, r in need.items() if torch.is_tensor(r)}
-        pulled = self.client.pull({n: r if torch.is_tensor(r) else r[0]
-                                   for n, r in need.items()}) if need else {}
-        for name, values in pulled.items():
-            if name in plain:
-                got[name] = values.numpy()
+                need[name], into[name] = r[torch.from_numpy(at < 0)], at < 0
+        for name, values in (self.client.pull(need) if need else {}).items():
+            if name in into:
+                got[name][into[name]] = values.numpy()
             else:
-                _, v, where = need[name]
-                v[where] = values.numpy()
+                got[name] = values.numpy()
         return got
 
     def pull_versions(self) -> list:

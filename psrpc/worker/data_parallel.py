@@ -179,12 +179,12 @@ class Worker(Replica):
             admitted = self.client.admit(self.clock, min(versions + self.table_versions))
             if admitted.seq is None:
                 self.finished = admitted.finished
-                return _Work(step, versions, value, None)
+                return _Work(versions, value, None)
             ticket = admitted.seq
         for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
         self.flat.flush()
-        work = _Work(step, versions, value, futures, ticket, table_grads)
+        work = _Work(versions, value, futures, ticket, table_grads)
         work.ahead = self._rows_ahead(step, x) if self.rows is not None else None
         if self.allreduce is not None:
             work.finite = self.allreduce.finish(versions[0])
@@ -290,9 +290,7 @@ class Worker(Replica):
                 if ahead is not None and ahead.versions == versions:
                     # computed during the last round (the versions it foresaw)
                     loss, futures = ahead.loss, self.push(ahead)
-                else:
-                    if ahead is not None:  # foreseen wrong: its average is dropped
-                        self.allreduce.pending = None
+                else:  # (one foreseen wrong is computed again: `compute` drops its average)
                     loss, futures = self.step(step, versions)
                 ahead = None
                 if futures is None:  # not admitted: training is over, or pull fresher params
@@ -334,9 +332,9 @@ class _Work:
     """A computed step, not yet pushed: its loss, the dense shards' push Futures (None: the
     staleness clock did not admit it), its table gradients and the rows asked ahead."""
 
-    def __init__(self, step: int, versions: list[int], loss: float, futures: Optional[list],
+    def __init__(self, versions: list[int], loss: float, futures: Optional[list],
                  ticket: Optional[int] = None, table_grads: Optional[dict] = None):
-        self.step, self.versions, self.loss, self.futures = step, versions, loss, futures
+        self.versions, self.loss, self.futures = versions, loss, futures
         self.ticket, self.table_grads = ticket, table_grads or {}
         self.ahead: Optional[dict] = None
         self.finite = True

@@ -35,18 +35,12 @@ class RowClient:
     def _split(self, rows: dict[str, torch.Tensor]) -> list[dict[str, tuple]]:
         """Per server: {table: (positions in rows[table], local rows)}; positions None: all
         of them, in order (one server holds every row, at its global index)."""
-        if len(self.shards) == 1:
-            for name, r in rows.items():  # (the range check the partition makes)
-                spec = self.specs[name]
-                if r.numel() and not spec.dynamic and (int(r.min()) < 0
-                                                       or int(r.max()) >= spec.num_rows):
-                    self.partitions[name].owner(r)  # raises, naming the bounds
-            return [{n: (None, r) for n, r in rows.items() if r.numel()}]
+        one = len(self.shards) == 1  # (no gather or scatter by positions then)
         per = [dict() for _ in self.shards]
         for name, r in rows.items():
             for k, (pos, local) in enumerate(self.partitions[name].split(r)):
                 if pos.numel():
-                    per[k][name] = (pos, local)
+                    per[k][name] = (None if one else pos, local)
         return per
 
     def pull(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,9 +52,6 @@ class RowClient:
                                                   for n, r in rows.items()):
                 self._ahead = None
                 return values
-        return self._pull_now(rows)
-
-    def _pull_now(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         per = self._split(rows)
         asked = [(k, comm.invoke(self.shards[k], "pull_rows",
                                  {n: local for n, (_, local) in parts.items()},
