@@ -15,9 +15,10 @@ Each cached row carries two clocks, in global steps (the table shards' version):
   ones, which is the approximation HET makes too.
 
 Slots are direct-mapped, as a CPU cache's lines: row r of a table can live in slot r % cache_rows
-of that table only, so a lookup, a fill and an eviction are a few vectorised NumPy operations on
-the batch's rows, whatever the capacity (no LRU order to keep, no scan of the slots), and the
-tables of one dim share one set of arrays, so a step pays those operations once, not per table.
+of that table only, so a lookup, a fill and an eviction are each one pass over the batch's rows
+(compiled loops, psrpc/worker/cache_kernels.py), whatever the capacity (no LRU order to keep,
+no scan of the slots), and the tables of one dim share one set of arrays, so a step pays those
+passes once, not per table.
 A missed row takes its slot unless a row of this lookup or of the one asked ahead holds it; the
 row it displaces leaves with its held gradient, which goes out with the next push. The rows a
 push's reply brings ahead go into their slots as the reply arrives, so the lookup they are for
@@ -44,12 +45,13 @@ import numpy as np
 import torch
 
 from psrpc.sparse.rows import TableSpec
+from psrpc.worker import cache_kernels as kernels
 
 
 class _Slots:
     """The cache lines of the tables of one dim: table i owns slots [base_i, base_i + cap_i),
-    row r of it sits in slot base_i + r % cap_i. NumPy arrays (a step makes a few dozen small
-    operations, and NumPy's cost per call is a fraction of torch's)."""
+    row r of it sits in slot base_i + r % cap_i. NumPy arrays, worked on by the compiled loops
+    of cache_kernels (a call costs a fraction of a torch operation's)."""
 
     def __init__(self, specs: list[TableSpec], capacity: int):
         self.names = [s.name for s in specs]
@@ -63,7 +65,7 @@ class _Slots:
         self.pending = np.zeros((total, self.dim), dtype=np.float32)
         self.pending_since = np.full(total, -1, dtype=np.int64)  # -1: nothing held
         self.ahead = np.zeros(total, dtype=bool)  # filled by a pull ahead, not looked up since
-        self._mark = np.zeros(total, dtype=bool)  # scratch: slots a fill must leave alone
+        self._mark = np.zeros(total, dtype=np.int8)  # scratch of a fill (kernels.fill)
         self.started: dict[int, list[np.ndarray]] = {}  # step -> slots that began holding
         self.geometry = {n: (int(c), int(b)) for n, c, b in zip(self.names, self.caps, self.base)}
         self._placed: list[_Batch] = []  # the last batches placed (this lookup, the next two)
@@ -90,10 +92,14 @@ class _Slots:
         self._placed = self._placed[-2:] + [b]
         return b
 
-    def lookup(self, b: "_Batch", now: int, staleness: int) -> tuple[np.ndarray, np.ndarray]:
-        """(whether each row is in its slot, whether it is fresh at step `now`)."""
-        cached = self.row[b.slots] == b.rows
-        return cached, cached & (now - self.pulled_at[b.slots] <= staleness)
+    def lookup(self, b: "_Batch", now: int, staleness: int, clear: bool = False) -> tuple:
+        """(whether each row is in its slot, whether it is fresh at step `now`, how many are
+        fresh, how many of those are hits); `clear`: for a forward (see kernels.look)."""
+        cached = np.empty(b.rows.size, dtype=bool)
+        fresh = np.empty(b.rows.size, dtype=bool)
+        n, hits = kernels.look(self.row, self.pulled_at, self.ahead, b.slots, b.rows, now,
+                               staleness, clear, cached, fresh)
+        return cached, fresh, n, hits
 
     def held_slots(self, b: Optional["_Batch"]) -> np.ndarray:
         """The slots the rows of `b` are in now."""
@@ -102,59 +108,48 @@ class _Slots:
         return b.slots[self.row[b.slots] == b.rows]
 
     def fill(self, rows: np.ndarray, slots: np.ndarray, values: np.ndarray, at: int,
-             keep: np.ndarray) -> tuple[tuple, np.ndarray]:
+             keep: np.ndarray, ahead: bool = False) -> tuple[tuple, np.ndarray]:
         """Put missed `rows` (read at step `at`) in their `slots`, except the slots in `keep`
         (held by rows still to be looked up or pushed) and a slot an earlier row takes. Returns
-        (displaced rows that held gradients: (tables, rows, sums)) and the positions placed."""
-        occupant = self.row[slots]
-        self._mark[keep] = True
-        ok = (occupant == rows) | ~self._mark[slots]  # (a stale row refreshes its own slot)
-        self._mark[keep] = False
-        idx = np.flatnonzero(ok)
-        _, first = np.unique(slots[idx], return_index=True)  # one row per slot: the first
-        if first.size < idx.size:
-            idx = idx[np.sort(first)]
-        s, new = slots[idx], rows[idx]
-        old = self.row[s]
-        moved = old != new
-        gone = moved & (old >= 0) & (self.pending_since[s] >= 0)
-        out = (self.table_of(s[gone]), old[gone], self.pending[s[gone]])
-        sm = s[moved]
-        self.pending[sm] = 0
-        self.pending_since[sm] = -1
-        self.row[s] = new
-        self.values[s] = values[idx]
-        self.pulled_at[s] = at
-        self.ahead[s] = False
-        return out, idx
+        (displaced rows that held gradients: (tables, rows, sums)) and the positions placed.
+        `ahead`: pulled ahead of their lookup (not hits when it finds them)."""
+        placed, s, old, sums = kernels.fill(
+            self.row, self.values, self.pulled_at, self.pending, self.pending_since, self.ahead,
+            self._mark, rows, slots, np.ascontiguousarray(values, dtype=np.float32), at, keep,
+            ahead)
+        return (self.table_of(s), old, sums), placed
 
     def table_of(self, slots: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.base, slots, side="right") - 1
 
-    def hold(self, slots: np.ndarray, grads: np.ndarray, now: int) -> None:
-        """Add gradients to the held sums of `slots` (their rows are cached; no slot twice)."""
-        self.pending[slots] += grads
-        new = slots[self.pending_since[slots] < 0]
-        if new.size:
-            self.pending_since[new] = now
-            self.started.setdefault(now, []).append(new)
+    def hold(self, b: "_Batch", grads: np.ndarray, now: int) -> np.ndarray:
+        """Add the gradients of the rows of `b` that are in their slots to their held sums;
+        returns the positions of the others (pushed now)."""
+        began, missed = kernels.hold(self.row, self.pending, self.pending_since, b.slots, b.rows,
+                                     grads, now)
+        if began.size:
+            self.started.setdefault(now, []).append(began)
+        return missed
 
     def take_due(self, now: int, staleness: int, everything: bool) -> tuple:
         """The held gradients due at `now` (held `staleness` steps, or all of them): (tables,
         rows, sums), cleared here."""
         if everything:
-            due = np.flatnonzero(self.pending_since >= 0)
+            slots = np.arange(self.row.size, dtype=np.int64)
+            since = np.full(slots.size, -1, dtype=np.int64)
             self.started = {}
         else:
-            parts = []
+            parts, steps = [], []
             for step in [k for k in self.started if now - k >= staleness]:
-                for slots in self.started.pop(step):  # (not since re-filled, or taken)
-                    parts.append(slots[self.pending_since[slots] == step])
-            due = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
-        out = (self.table_of(due), self.row[due], self.pending[due])
-        self.pending[due] = 0
-        self.pending_since[due] = -1
-        return out
+                for p in self.started.pop(step):  # (not since re-filled, or taken)
+                    parts.append(p)
+                    steps.append(np.full(p.size, step, dtype=np.int64))
+            if not parts:
+                return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                        np.zeros((0, self.dim), dtype=np.float32))
+            slots, since = np.concatenate(parts), np.concatenate(steps)
+        s, rows, sums = kernels.take(self.row, self.pending, self.pending_since, slots, since)
+        return self.table_of(s), rows, sums
 
 
 class _Batch:
@@ -217,20 +212,20 @@ class RowCache:
         spill, self._spill = self._spill, {}
         looked, asked = [], {}
         for k, g, b in self._by_group(rows):
-            cached, fresh = g.lookup(b, now, self.staleness)
+            cached, fresh, n_fresh, hits = g.lookup(b, now, self.staleness, clear=not spill)
             if spill:  # pulled ahead, but no slot could take them: taken from there
                 for i, part in enumerate(b.split(fresh)):
                     if b.names[i] in spill:
                         part &= _find(spill[b.names[i]][0], b.tensors[i].numpy()) < 0
+                n_fresh = int(fresh.sum())
+                hits = int((fresh & ~g.ahead[b.slots]).sum())
+                g.ahead[b.slots[fresh]] = False
             self._step[k] = b
             self.stats.cache_lookups += b.rows.size
-            if fresh.all():  # (the steady state of pulling ahead)
-                self.stats.cache_hits += b.rows.size - int(g.ahead[b.slots].sum())
-                g.ahead[b.slots] = False  # (ahead: pulled, not hits)
+            self.stats.cache_hits += hits  # (rows pulled ahead are pulled, not hits)
+            if n_fresh == b.rows.size:  # (the steady state of pulling ahead)
                 looked.append((k, g, b, cached, fresh, None))
                 continue
-            self.stats.cache_hits += int((fresh & ~g.ahead[b.slots]).sum())
-            g.ahead[b.slots[fresh]] = False
             for i, part in enumerate(b.split(~fresh)):
                 if part.any():
                     asked[b.names[i]] = torch.from_numpy(b.tensors[i].numpy()[part])
@@ -296,10 +291,9 @@ class RowCache:
             rows, slots = b.rows[miss], b.slots[miss]
             v = np.concatenate([values[n].numpy() for n in names])
             keep = np.concatenate([g.held_slots(b), g.held_slots(self._step.get(k))])
-            gone, placed = g.fill(rows, slots, v, at, keep)
+            gone, placed = g.fill(rows, slots, v, at, keep, ahead=True)
             if gone[0].size:
                 self._evicted.append((k, gone))
-            g.ahead[slots[placed]] = True
             if placed.size < rows.size:  # no slot for some: they wait beside the cache
                 left = np.ones(rows.size, dtype=bool)
                 left[placed] = False
@@ -313,7 +307,7 @@ class RowCache:
         """{table: the rows of `rows` a lookup at step `now` cannot serve from here}."""
         out = {}
         for k, g, b in self._by_group(rows):
-            fresh = g.lookup(b, now, self.staleness)[1]
+            fresh = g.lookup(b, now, self.staleness)[1]  # (asked ahead: not yet looked up)
             self._coming[k] = (b, ~fresh)
             for name, t, part in zip(b.names, b.tensors, b.split(~fresh)):
                 if part.any():
@@ -358,13 +352,10 @@ class RowCache:
                                    "rows of their last lookup")
             if b is not None:
                 gn = np.concatenate([grads[n][1].numpy() for n in b.names])
-                cached = g.row[b.slots] == b.rows
-                if cached.all():
-                    g.hold(b.slots, gn, now)
-                else:
-                    g.hold(b.slots[cached], gn[cached], now)
-                    parts.setdefault(k, []).append((g.table_of(b.slots[~cached]),
-                                                    b.rows[~cached], gn[~cached]))
+                missed = g.hold(b, gn, now)
+                if missed.size:
+                    parts.setdefault(k, []).append((g.table_of(b.slots[missed]),
+                                                    b.rows[missed], gn[missed]))
             parts.setdefault(k, []).append(g.take_due(now, self.staleness, everything))
         out = {}
         for k, pieces in parts.items():
