@@ -225,3 +225,27 @@ def test_rows_pulled_ahead_fill_the_cache_within_the_bound_and_lose_no_gradient(
     for name in given:
         torch.testing.assert_close(server.received[name], given[name], rtol=1e-5, atol=1e-5)
     assert server.pull_calls <= 2  # the first lookups; then every row came ahead or cached
+
+
+def test_a_fill_leaves_kept_slots_gives_a_slot_to_its_first_row_and_returns_held_gradients():
+    """The compiled fill (cache_kernels.fill) on one table of 4 slots: slot 1 is kept for
+    another row, rows 2 and 6 both map to slot 2 (the first wins), and the row displaced from
+    slot 3 leaves with the gradient it held."""
+    import numpy as np
+
+    from psrpc.worker.cache import _Slots
+
+    g = _Slots([TableSpec("t", 100, 2)], 4)
+    g.row[:] = [-1, 9, -1, 7]  # row 9 in slot 1 (kept), row 7 in slot 3 holding a gradient
+    g.pending[3] = [1.5, -2.0]
+    g.pending_since[3] = 4
+    rows = np.array([5, 2, 6, 11, 4], dtype=np.int64)  # slots 1, 2, 2, 3, 0
+    values = np.arange(10, dtype=np.float32).reshape(5, 2)
+    (tables, gone, sums), placed = g.fill(rows, rows % 4, values, 8, np.array([1]))
+    assert placed.tolist() == [1, 3, 4]  # not 5 (slot 1 kept), not 6 (slot 2 taken by 2)
+    assert g.row.tolist() == [4, 9, 2, 11]
+    assert g.values[2].tolist() == [2, 3] and g.values[0].tolist() == [8, 9]
+    assert g.pulled_at.tolist() == [8, 0, 8, 8]
+    assert tables.tolist() == [0] and gone.tolist() == [7] and sums.tolist() == [[1.5, -2.0]]
+    assert g.pending_since[3] == -1 and not g.pending[3].any()
+    assert not g._mark.any()  # the scratch is left clear
