@@ -18,14 +18,14 @@ Slots are direct-mapped, as a CPU cache's lines: row r of a table can live in sl
 of that table only, so a lookup, a fill and an eviction are each one pass over the batch's rows
 (compiled loops, psrpc/worker/cache_kernels.py), whatever the capacity (no LRU order to keep,
 no scan of the slots), and the tables of one dim share one set of arrays, so a step pays those
-passes once, not per table.
-A missed row takes its slot unless a row of this lookup or of the one asked ahead holds it; the
-row it displaces leaves with its held gradient, which goes out with the next push. The rows a
-push's reply brings ahead go into their slots as the reply arrives, so the lookup they are for
-finds them there (they count as pulled, not as hits). Lookups outside training (evaluation, no autograd) bypass the cache and
-read the PS. A membership epoch or a roll back of the PS drops the cache, values and held
-gradients (this worker's last s steps of table gradients are then lost, as a step in flight is);
-a worker that joins again starts cold.
+passes once, not per table. A missed row takes its slot unless a row of this lookup or of the
+one asked ahead holds it; the row it displaces leaves with its held gradient, which goes out
+with the next push. The rows a push's reply brings ahead go into their slots as the reply
+arrives, so the lookup they are for finds them there (they count as pulled, not as hits).
+Lookups outside training (evaluation, no autograd) bypass the cache and read the PS. A
+membership epoch or a roll back of the PS drops the cache, values and held gradients (this
+worker's last s steps of table gradients are then lost, as a step in flight is); a worker that
+joins again starts cold.
 
 `sparse.cache_writes=through` caches reads only: every gradient goes to the PS in its own step
 (write-through). Measured on MovieLens 100K, where every row is hot: holding gradients costs
@@ -45,7 +45,6 @@ import numpy as np
 import torch
 
 from psrpc.sparse.rows import TableSpec
-from psrpc.worker import cache_kernels as kernels
 
 
 class _Slots:
@@ -54,6 +53,9 @@ class _Slots:
     of cache_kernels (a call costs a fraction of a torch operation's)."""
 
     def __init__(self, specs: list[TableSpec], capacity: int):
+        from psrpc.worker import cache_kernels  # (Numba loads only where a cache is on)
+
+        self.kernels = cache_kernels
         self.names = [s.name for s in specs]
         self.dim = specs[0].dim
         self.caps = np.array([max(1, min(capacity, s.num_rows)) for s in specs], dtype=np.int64)
@@ -97,8 +99,8 @@ class _Slots:
         fresh, how many of those are hits); `clear`: for a forward (see kernels.look)."""
         cached = np.empty(b.rows.size, dtype=bool)
         fresh = np.empty(b.rows.size, dtype=bool)
-        n, hits = kernels.look(self.row, self.pulled_at, self.ahead, b.slots, b.rows, now,
-                               staleness, clear, cached, fresh)
+        n, hits = self.kernels.look(self.row, self.pulled_at, self.ahead, b.slots, b.rows, now,
+                                    staleness, clear, cached, fresh)
         return cached, fresh, n, hits
 
     def held_slots(self, b: Optional["_Batch"]) -> np.ndarray:
@@ -113,7 +115,7 @@ class _Slots:
         (held by rows still to be looked up or pushed) and a slot an earlier row takes. Returns
         (displaced rows that held gradients: (tables, rows, sums)) and the positions placed.
         `ahead`: pulled ahead of their lookup (not hits when it finds them)."""
-        placed, s, old, sums = kernels.fill(
+        placed, s, old, sums = self.kernels.fill(
             self.row, self.values, self.pulled_at, self.pending, self.pending_since, self.ahead,
             self._mark, rows, slots, np.ascontiguousarray(values, dtype=np.float32), at, keep,
             ahead)
@@ -125,8 +127,8 @@ class _Slots:
     def hold(self, b: "_Batch", grads: np.ndarray, now: int) -> np.ndarray:
         """Add the gradients of the rows of `b` that are in their slots to their held sums;
         returns the positions of the others (pushed now)."""
-        began, missed = kernels.hold(self.row, self.pending, self.pending_since, b.slots, b.rows,
-                                     grads, now)
+        began, missed = self.kernels.hold(self.row, self.pending, self.pending_since, b.slots,
+                                          b.rows, grads, now)
         if began.size:
             self.started.setdefault(now, []).append(began)
         return missed
@@ -148,7 +150,8 @@ class _Slots:
                 return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
                         np.zeros((0, self.dim), dtype=np.float32))
             slots, since = np.concatenate(parts), np.concatenate(steps)
-        s, rows, sums = kernels.take(self.row, self.pending, self.pending_since, slots, since)
+        s, rows, sums = self.kernels.take(self.row, self.pending, self.pending_since, slots,
+                                          since)
         return self.table_of(s), rows, sums
 
 
