@@ -21,7 +21,8 @@ SERVER_SIDE = ("psrpc.cluster", "psrpc.ps", "psrpc.worker", "psrpc.checkpoint", 
 # resnet18), TensorBoard (an optional extra), and psrpc.api behind `psrpc.train` (so that
 # `import psrpc` loads no torch).
 DEFERRED = {("psrpc.data", "torchvision"), ("psrpc.models.vision", "torchvision"),
-            ("psrpc.session.hooks", "torch.utils.tensorboard"), ("psrpc", "psrpc")}
+            ("psrpc.session.hooks", "torch.utils.tensorboard"), ("psrpc", "psrpc"),
+            ("psrpc.worker.cache", "psrpc.worker")}  # (its Numba kernels: 0.27 s of import)
 
 
 def test_layer_contracts_hold():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from psrpc.sparse import load_tables
-from tests.conftest import MNIST_ROOT, assert_equal_model, assert_same_model, compose, run_cluster
+from tests.conftest import (MNIST_ROOT, SHM, assert_equal_model, assert_same_model, compose,
+                            run_cluster)
 
 pytestmark = pytest.mark.timeout(300)
 MOVIELENS = MNIST_ROOT / "ml-100k"  # ../shared/data/ml-100k
@@ -83,6 +84,17 @@ def test_async_with_tables_runs_to_the_end(tmp_path):
                                              "cluster.num_ps=2", "train.batch_size=32"])
     assert summary["steps"] == 20 and all(s["version"] == 20 for s in summary["shards"])
     assert all(torch.isfinite(t).all() for t in tables.values())
+
+
+def test_table_pushes_through_the_side_channel_and_over_tensorpipe_give_the_same_bits(
+        tmp_path, reference):
+    """The reference pushed its tables to the PS on its host through the side channel (a Unix
+    socket); with cluster.shm=off everything goes over TensorPipe."""
+    run = _run(tmp_path, ["cluster.num_workers=1", "train.batch_size=64", "cluster.shm=off"])
+    _assert_equal(run, reference)
+    assert run[0]["side_channel_share"] == 0
+    if SHM is None:  # 20 pushes and the first pull
+        assert reference[0]["side_channel_share"] == round(20 / 21, 2)
 
 
 def test_row_cache_with_staleness_0_changes_no_bit(tmp_path, reference):

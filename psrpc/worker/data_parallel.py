@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from psrpc.cluster import comm, membership
+from psrpc.cluster import comm, membership, sidechannel
 from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.config import Config
@@ -75,8 +75,11 @@ class Worker(Replica):
                 t.bind(self.rows)
 
     def _row_client(self, plan: Plan) -> RowClient:
+        # a PS on this host takes the tables' pushes through a side channel (cluster.shm)
+        channels = (None if self.cfg.cluster.shm == "off" else
+                    sidechannel.channels_to(plan.table_shards, comm.rpc_timeout_s(self.cfg)))
         return RowClient(plan.table_shards, plan.table_specs, plan.partition, self.index,
-                         stats=self.stats, lag=int(self.pipelined))
+                         stats=self.stats, lag=int(self.pipelined), channels=channels)
 
     def _table_clock(self) -> int:
         """The global step this worker's tables are at (the newest table shard's version)."""

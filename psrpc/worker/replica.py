@@ -36,6 +36,7 @@ class WorkerStats:
     cache_lookups: int = 0  # rows looked up in the hot-row cache (sparse.cache_rows)
     cache_hits: int = 0  # of those, served from it
     table_rpcs: int = 0  # messages to the table shards (pulls and pushes)
+    side_channel: int = 0  # of those, pushes through a side channel (a PS on this host)
     dense_digest: Optional[str] = None  # update.dense=allreduce: the replica's, at the end
 
 

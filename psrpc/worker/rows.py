@@ -19,8 +19,11 @@ from psrpc.sparse.rows import TableSpec, partition_of
 
 class RowClient:
     def __init__(self, shards: list, specs: list[TableSpec], partition: str, worker: int,
-                 timeout_s: Optional[float] = None, stats=None, lag: int = 0):
+                 timeout_s: Optional[float] = None, stats=None, lag: int = 0,
+                 channels: Optional[list] = None):
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
+        # per server: the side channel its pushes take (a PS on this host), or None: TensorPipe
+        self.channels = channels or [None] * len(shards)
         # lag 1: the rows asked with a push are those of the batch after next, and the ones
         # its reply brings wait through the next step's forward (pulls ahead of time, `run` in
         # psrpc/worker/data_parallel.py)
@@ -110,10 +113,17 @@ class RowClient:
             else:
                 asked = {n: local for n, (_, local) in split[k].items()}
                 call = (self.shards[k], "push_pull_rows", args + (asked,))
-            if k in riders:
-                futures.append(_carry(riders[k], call, self.timeout_s))
-            else:
+            calls = [riders[k][:3], call] if k in riders else [call]
+            if self.channels[k] is not None:
+                sent = self.channels[k].invoke_many(calls, self.timeout_s)
+                if self.stats is not None:
+                    self.stats.side_channel += 1
+            elif k in riders:
+                sent = comm.invoke_many(calls, self.timeout_s)
+            else:  # (one call: no list around its result)
                 futures.append(comm.invoke(call[0], call[1], *call[2], timeout_s=self.timeout_s))
+                continue
+            futures.append(_results(sent, riders[k][3] if k in riders else None))
         return futures
 
     def ride(self, k: int, target, method: str, args: tuple) -> torch.futures.Future:
@@ -161,19 +171,18 @@ class RowClient:
         self.stats.sparse_bytes += b
 
 
-def _carry(rider: tuple, call: tuple, timeout_s) -> torch.futures.Future:
-    """`call` with `rider` in one message: the rider's result completes its own Future; the
-    returned one is `call`'s."""
-    target, method, args, out = rider
-    both = comm.invoke_many([(target, method, args), call], timeout_s)
-
+def _results(sent: torch.futures.Future, rider: Optional[torch.futures.Future]):
+    """The Future of a message's last result; the rider's result (the first), when there is
+    one, completes its own Future."""
     def split(f):
         try:
-            first, second = f.wait()
+            results = f.wait()
         except Exception as e:
-            out.set_exception(e)
+            if rider is not None:
+                rider.set_exception(e)
             raise
-        out.set_result(first)
-        return second
+        if rider is not None:
+            rider.set_result(results[0])
+        return results[-1]
 
-    return both.then(split)
+    return sent.then(split)

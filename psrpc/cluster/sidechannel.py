@@ -1,0 +1,318 @@
+"""A side channel for a worker's per-step table pushes to a PS on its own host: one Unix socket
+per (worker, PS) pair instead of TensorPipe (`cluster.shm` auto or on).
+
+A table push and its reply are a few tens of kilobytes. Over TensorPipe each one wakes its
+event-loop thread, hands over to the RPC thread pool and back, on both sides: on a 2-core host
+with two workers and a PS those threads took about a third of a core (measured per thread),
+more than the PS's own work on the rows. Here the worker writes the pickled calls to the socket
+and one thread on each side reads: the PS's runs the calls as an RPC would (the same objects,
+the same `_call_local`, their Futures) and writes the results back when they complete (a sync
+round's reply when the round closes); the worker's completes the Futures the push returned.
+
+What it keeps of RPC's guarantees:
+- **Timeouts**: a call with no reply after `timeout_s` fails with a message naming the PS, as an
+  RPC's would; a late reply is dropped.
+- **A dead peer**: the kernel closes a dead process's socket, even on SIGKILL, so the other side
+  reads end-of-file at once: a worker's calls in flight fail (and the worker rejoins as after any
+  failed RPC), a PS's thread for a dead worker ends.
+- **Membership epochs**: a worker asks the PS for its channel's address through RPC whenever it
+  builds its table client, so a PS started again is reached at its new address.
+- **Who may call**: the socket is in Linux's abstract namespace (no file to clean up, gone with
+  the process), and the PS serves only connections from its own user id (SO_PEERCRED): a pickle
+  is code, and TensorPipe's listener is the wider door (docs/security.md).
+
+Tensors cross as NumPy arrays inside the pickle (one buffer a message, no tensor framing);
+bfloat16 and CUDA tensors are left to pickle's own path. Where the socket cannot be reached (a
+PS on another host, another network namespace) the push goes over TensorPipe as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import fields, is_dataclass, replace
+from typing import Optional
+
+import torch
+from torch.futures import Future
+
+from psrpc.cluster import comm
+from psrpc.cluster.shm import host_id
+from psrpc.errors import PsrpcError, first_line
+
+log = logging.getLogger("psrpc")
+_HEAD = struct.Struct("<Q")  # a message: its length, then its pickle
+MAX_MESSAGE = 1 << 31  # a length past this is a corrupt stream, not a message
+POLL_S = 0.5  # how often a worker's reader looks for calls past their deadline
+
+
+class _Array:
+    """A CPU tensor crossing as a NumPy array (pickled into the message's own bytes)."""
+
+    __slots__ = ("a",)
+
+    def __init__(self, a):
+        self.a = a
+
+    def __reduce__(self):
+        return (_Array, (self.a,))
+
+
+def pack(obj):
+    """`obj` with its CPU tensors as `_Array`s, through tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and obj.dtype != torch.bfloat16 and not obj.requires_grad:
+            return _Array(obj.numpy())
+        return obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(pack(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: pack(v) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: pack(getattr(obj, f.name)) for f in fields(obj)})
+    return obj
+
+
+def unpack(obj):
+    """The inverse of `pack` (the tensors share the arrays' memory)."""
+    if isinstance(obj, _Array):
+        return torch.from_numpy(obj.a)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(unpack(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: unpack(v) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: unpack(getattr(obj, f.name)) for f in fields(obj)})
+    return obj
+
+
+def _send(sock: socket.socket, lock: threading.Lock, obj) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    with lock:
+        sock.sendall(_HEAD.pack(len(data)) + data)
+
+
+def _read(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("the peer closed the channel")
+        got += k
+    return buf
+
+
+def _receive(sock: socket.socket):
+    (n,) = _HEAD.unpack(_read(sock, _HEAD.size))
+    if n > MAX_MESSAGE:
+        raise EOFError(f"a message of {n} bytes: the stream is corrupt")
+    return pickle.loads(_read(sock, n))
+
+
+# -- the PS's side -------------------------------------------------------------------------------
+_address: Optional[str] = None
+_listen_lock = threading.Lock()
+
+
+def listen() -> tuple[str, str]:
+    """(this process's channel address, its host): the listener starts on the first call. Run
+    on the PS through RPC."""
+    global _address
+    with _listen_lock:
+        if _address is None:
+            name = f"\0psrpc-{os.getpid()}-{secrets.token_hex(8)}"
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(name)
+            server.listen(64)
+            threading.Thread(target=_accept, args=(server,), daemon=True,
+                             name="psrpc-sidechannel").start()
+            _address = name
+    return _address, host_id()
+
+
+def _accept(server: socket.socket) -> None:
+    uid = os.getuid()
+    while True:
+        conn, _ = server.accept()
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, peer_uid, _ = struct.unpack("3i", creds)
+        if peer_uid != uid:
+            log.warning("side channel: refused a connection from pid %d of user %d", pid,
+                        peer_uid)
+            conn.close()
+            continue
+        threading.Thread(target=_serve, args=(conn,), daemon=True,
+                         name="psrpc-sidechannel-peer").start()
+
+
+def _serve(conn: socket.socket) -> None:
+    """One worker's calls, each run as `comm._invoke_local_many` runs an RPC's."""
+    lock = threading.Lock()
+    try:
+        while True:
+            seq, calls = _receive(conn)
+            futures = [comm._call_local(key, method, unpack(args))  # (an RPC's)
+                       for key, method, args in calls]
+            torch.futures.collect_all(futures).then(
+                lambda f, seq=seq, futures=futures: _answer(conn, lock, seq, f, futures))
+    except (EOFError, OSError, pickle.UnpicklingError) as e:
+        if not isinstance(e, EOFError) or "closed" not in str(e):
+            log.warning("side channel: a worker's connection ended: %s", first_line(e))
+    finally:
+        conn.close()
+
+
+def _answer(conn: socket.socket, lock: threading.Lock, seq: int, done: Future,
+            futures: list) -> None:
+    """Send the calls' results, or the first error among them (as comm.invoke_many's)."""
+    try:
+        done.wait()
+        out = [(True, pack(f.value())) for f in futures]
+    except Exception as e:
+        out = [(False, _portable(e))]
+    try:
+        _send(conn, lock, (seq, out))
+    except OSError:
+        pass  # the worker is gone: its reader saw the end already
+    except Exception as e:  # a result that does not pickle: say so instead of never answering
+        _send(conn, lock, (seq, [(False, PsrpcError(f"a reply did not pickle: {first_line(e)}"))]))
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e` if it pickles and unpickles, else a PsrpcError with its message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return PsrpcError(f"{type(e).__name__}: {e}")
+
+
+# -- a worker's side -----------------------------------------------------------------------------
+class SideChannel:
+    """A worker's connection to one PS: `invoke_many` as comm.invoke_many, over the socket."""
+
+    def __init__(self, owner: str, address: str, timeout_s: float):
+        self.owner, self.address, self.timeout_s = owner, address, timeout_s
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(address)
+        self.lock = threading.Lock()  # the state below (never held while the socket blocks)
+        self.send_lock = threading.Lock()
+        self.pending: dict[int, tuple[Future, float]] = {}  # seq -> (Future, deadline)
+        self.seq, self.closed = 0, None  # closed: why, once it is
+        threading.Thread(target=self._read, daemon=True, name="psrpc-sidechannel").start()
+
+    def invoke_many(self, calls: list, timeout_s: Optional[float] = None) -> Future:
+        """Calls `(handle, method, args)` to objects of the PS: a Future of their results."""
+        fut: Future = Future()
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self.lock:
+            if self.closed is not None:
+                fut.set_exception(PsrpcError(f"the side channel to {self.owner} is closed: "
+                                             f"{self.closed}"))
+                return fut
+            self.seq += 1
+            seq = self.seq
+            self.pending[seq] = (fut, time.monotonic() + timeout)
+        try:
+            _send(self.sock, self.send_lock, (seq, [(h.key, m, pack(a)) for h, m, a in calls]))
+        except OSError as e:
+            self._close(f"sending failed: {first_line(e)}")
+        return fut
+
+    def _read(self) -> None:
+        try:
+            while True:
+                ready, _, _ = select.select([self.sock], [], [], POLL_S)
+                if not ready:
+                    self._expire()
+                    continue
+                seq, out = _receive(self.sock)
+                with self.lock:
+                    fut, _ = self.pending.pop(seq, (None, 0.0))
+                if fut is None:  # it timed out before
+                    continue
+                bad = [v for ok, v in out if not ok]
+                if bad:
+                    fut.set_exception(bad[0])
+                else:
+                    fut.set_result([unpack(v) for _, v in out])
+                self._expire()
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+            self._close(f"{self.owner} is gone ({first_line(e)})")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            late = [s for s, (_, t) in self.pending.items() if t < now]
+            futures = [self.pending.pop(s)[0] for s in late]
+        for fut in futures:
+            fut.set_exception(PsrpcError(f"no reply from {self.owner} within "
+                                         f"{self.timeout_s:g} s (side channel)"))
+
+    def _close(self, why: str) -> None:
+        with self.lock:
+            if self.closed is None:
+                self.closed = why
+            futures, self.pending = [f for f, _ in self.pending.values()], {}
+        for fut in futures:
+            fut.set_exception(PsrpcError(f"the side channel to {self.owner} closed: {why}"))
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._close("closed by this worker")
+
+
+_open: dict[str, SideChannel] = {}  # owner -> this process's channel to it
+
+
+def channels_to(shards: list, timeout_s: float) -> list[Optional[SideChannel]]:
+    """Per shard (a comm.Handle), the channel to its PS, or None where there is none (another
+    host; an RRef)."""
+    by_owner: dict[str, Optional[SideChannel]] = {}
+    out = []
+    for h in shards:
+        owner = getattr(h, "owner", None)
+        if not isinstance(owner, str):  # (an RRef's owner is a method)
+            out.append(None)
+            continue
+        if owner not in by_owner:
+            by_owner[owner] = connect(owner, timeout_s)
+        out.append(by_owner[owner])
+    return out
+
+
+def connect(owner: str, timeout_s: float) -> Optional[SideChannel]:
+    """A channel to `owner` when it runs on this host and answers, else None (TensorPipe). The
+    open one is kept while `owner` is the same process (the same address)."""
+    try:
+        address, host = comm.call_sync(owner, listen, timeout_s=timeout_s)
+    except Exception as e:
+        log.info("side channel to %s: not offered (%s); pushes go over TensorPipe", owner,
+                 first_line(e))
+        return None
+    if host != host_id():
+        return None
+    old = _open.pop(owner, None)
+    if old is not None and old.address == address and old.closed is None:
+        _open[owner] = old
+        return old
+    if old is not None:
+        old.close()
+    try:
+        _open[owner] = SideChannel(owner, address, timeout_s)
+    except OSError as e:  # another network namespace, say
+        log.info("side channel to %s: cannot connect (%s); pushes go over TensorPipe", owner,
+                 first_line(e))
+        return None
+    return _open[owner]

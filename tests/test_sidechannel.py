@@ -1,0 +1,154 @@
+"""The side channel of colocated ranks (psrpc/cluster/sidechannel.py): calls and results cross
+intact, errors come back as errors, nothing waits past its timeout or past a dead peer, and only
+this user's processes are served. A cluster's table pushes through it give the bits they give
+over TensorPipe (tests/test_sparse_cluster.py)."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch.futures import Future
+
+from psrpc.cluster import comm, sidechannel
+from psrpc.cluster.wire import Reply
+from psrpc.errors import PsrpcError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Tables:
+    """Stands for a table shard: answers at once, later, never, or with an error."""
+
+    def __init__(self):
+        self.later: list[Future] = []
+
+    def push(self, rows, grads):
+        return Reply(version=int(rows.sum()), params=torch.zeros(0), accepted=True,
+                     finished=False, loss=0.5, samples=rows.numel(), stale_dropped=0,
+                     rows={"t": grads * 2, "half": grads.to(torch.bfloat16)})
+
+    def wait(self):
+        fut = Future()
+        self.later.append(fut)
+        return fut
+
+    def fail(self):
+        raise ValueError("row 7 out of range [0, 5)")
+
+
+@pytest.fixture(scope="module")
+def served():
+    key = 987_001
+    comm.register(key, Tables())
+    address, host = sidechannel.listen()
+    assert host == sidechannel.host_id() and address.startswith("\0psrpc-")
+    yield comm.Handle("ps-test", key), address
+    comm.registered().pop(key)
+
+
+def test_calls_and_results_cross_intact_in_one_message(served):
+    handle, address = served
+    ch = sidechannel.SideChannel("ps-test", address, timeout_s=10)
+    rows, grads = torch.tensor([1, 2, 4]), torch.randn(3, 4)
+    got = ch.invoke_many([(handle, "push", (rows, grads)),
+                          (handle, "push", (rows[:1], grads[:1]))]).wait()
+    assert [r.version for r in got] == [7, 1] and got[0].samples == 3
+    assert torch.equal(got[0].rows["t"], grads * 2) and got[0].rows["t"].dtype == torch.float32
+    assert got[0].rows["half"].dtype == torch.bfloat16  # (left to pickle's own path)
+    ch.close()
+
+
+def test_a_call_that_raises_fails_its_future_with_that_error(served):
+    handle, address = served
+    ch = sidechannel.SideChannel("ps-test", address, timeout_s=10)
+    with pytest.raises(ValueError, match=r"row 7 out of range \[0, 5\)"):
+        ch.invoke_many([(handle, "push", (torch.ones(1), torch.ones(1, 2))),
+                        (handle, "fail", ())]).wait()
+    ch.close()
+
+
+def test_a_reply_that_comes_later_arrives_and_one_that_never_comes_times_out(served,
+                                                                          monkeypatch):
+    handle, address = served
+    monkeypatch.setattr(sidechannel, "POLL_S", 0.05)
+    ch = sidechannel.SideChannel("ps-test", address, timeout_s=0.5)
+    later = ch.invoke_many([(handle, "wait", ())])
+    tables = comm.registered()[handle.key]
+    for _ in range(100):
+        if tables.later:
+            break
+        time.sleep(0.01)
+    threading.Timer(0.1, tables.later.pop().set_result, args=("round closed",)).start()
+    assert later.wait() == ["round closed"]
+    t0 = time.monotonic()
+    with pytest.raises(PsrpcError, match="no reply from ps-test within 0.5 s"):
+        ch.invoke_many([(handle, "wait", ())]).wait()
+    assert time.monotonic() - t0 < 3
+    ch.close()
+    with pytest.raises(PsrpcError, match="the side channel to ps-test is closed"):
+        ch.invoke_many([(handle, "push", (torch.ones(1), torch.ones(1, 2)))]).wait()
+
+
+SERVER = """
+import sys, time
+from psrpc.cluster import comm, sidechannel
+from torch.futures import Future
+class Never:
+    def wait(self):
+        return Future()
+comm.register(5, Never())
+print(sidechannel.listen()[0][1:], flush=True)
+time.sleep(60)
+"""
+
+
+def test_calls_in_flight_fail_at_once_when_the_ps_process_dies():
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        address = "\0" + server.stdout.readline().strip()
+        ch = sidechannel.SideChannel("ps-test", address, timeout_s=30)
+        pending = ch.invoke_many([(comm.Handle("ps-test", 5), "wait", ())])
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        server.kill()
+        with pytest.raises(PsrpcError, match="the side channel to ps-test closed: ps-test is gone"):
+            pending.wait()
+        assert time.monotonic() - t0 < 5  # the end of the socket, not the 30 s timeout
+    finally:
+        server.kill()
+        server.wait()
+
+
+CLIENT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\\0" + sys.argv[1])
+s.settimeout(10)
+print("refused" if s.recv(1) == b"" else "served")
+"""
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # (one that user nobody may run)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="needs root and a system Python to run a client as another user")
+def test_a_process_of_another_user_is_refused(served):
+    _, address = served
+    out = subprocess.run([SYSTEM_PYTHON, "-I", "-c", CLIENT, address[1:]], capture_output=True,
+                         text=True, timeout=30, cwd="/", preexec_fn=lambda: os.setuid(65534))
+    assert out.stdout.strip() == "refused", out.stderr
+
+
+def test_pack_keeps_values_types_and_dataclasses():
+    reply = Reply(version=3, params=torch.arange(4.0), accepted=True, finished=False, loss=None,
+                  samples=1, stale_dropped=0, rows={"a": torch.tensor([[1.0, 2.0]])})
+    back = sidechannel.unpack(sidechannel.pack((reply, [torch.tensor([5], dtype=torch.int64)])))
+    assert back[0].version == 3 and torch.equal(back[0].params, torch.arange(4.0))
+    assert torch.equal(back[0].rows["a"], torch.tensor([[1.0, 2.0]]))
+    assert back[1][0].dtype == torch.int64 and isinstance(back[1], list)
