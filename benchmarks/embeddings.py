@@ -47,7 +47,7 @@ TORCHREC_INSTALL = ("pip install fbgemm-gpu-cpu==1.9.0 tensordict pyre-extension
                     "pip install --no-deps torchrec==1.9.2")  # torchrec names the CUDA fbgemm-gpu
 SYSTEMS = ("single", "psrpc", "psrpc_cache", "psrpc_allreduce", "psrpc_cache_allreduce",
            "psrpc_allreduce_1ps", "psrpc_ahead_allreduce_1ps", "psrpc_cache_allreduce_1ps",
-           "ddp_sparse", "ddp_dense", "torchrec")
+           "psrpc_cache_allreduce_1ps_tcp", "ddp_sparse", "ddp_dense", "torchrec")
 RATIOS = ("torchrec", "ddp_sparse", "single")  # psrpc_vs_<system> columns
 
 
@@ -211,8 +211,10 @@ def measure(system: str, ov: list[str], cache, psrpc_ov=()) -> float:
             ov = ov + ["sparse.cache_staleness=1"]
         if "_allreduce" in system:
             ov = ov + ["update.dense=allreduce"]
-        if system.endswith("_1ps"):  # the tables on one PS: one process fewer on the cores
+        if "_1ps" in system:  # the tables on one PS: one process fewer on the cores
             ov = ov + ["cluster.num_ps=1"]
+        if system.endswith("_tcp"):  # table pushes over TensorPipe, not the side channel
+            ov = ov + ["cluster.shm=off"]
         return run_psrpc(ov)["samples_per_s"]
     cfg = psrpc_config(ov)
     if system == "single":
