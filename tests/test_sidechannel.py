@@ -152,3 +152,33 @@ def test_pack_keeps_values_types_and_dataclasses():
     assert back[0].version == 3 and torch.equal(back[0].params, torch.arange(4.0))
     assert torch.equal(back[0].rows["a"], torch.tensor([[1.0, 2.0]]))
     assert back[1][0].dtype == torch.int64 and isinstance(back[1], list)
+
+
+def test_a_message_over_the_large_mark_goes_over_tensorpipe(served, monkeypatch):
+    handle, address = served
+    ch = sidechannel.SideChannel("ps-test", address, timeout_s=10)
+    sent = []
+    monkeypatch.setattr(sidechannel.comm, "invoke_many",
+                        lambda calls, timeout_s=None: sent.append(calls) or "tensorpipe")
+    monkeypatch.setattr(sidechannel, "LARGE", 10_000)
+    small = [(handle, "push", (torch.ones(2, dtype=torch.int64), torch.ones(2, 4)))]
+    large = [(handle, "push", (torch.ones(2, dtype=torch.int64), torch.ones(2, 4096)))]
+    assert ch.invoke_many(small).wait()[0].samples == 2 and sent == []
+    assert ch.invoke_many(large) == "tensorpipe" and sent == [large]
+    ch.close()
+
+
+def test_leaving_the_rpc_group_fails_the_calls_in_flight_as_rpc_does(served):
+    """A membership epoch: every rank leaves its group (comm.shutdown, comm.abandon), and what
+    went beside RPC ends with it; the next group's client reaches the same listener again."""
+    handle, address = served
+    ch = sidechannel.SideChannel("ps-test", address, timeout_s=30)
+    sidechannel._open["ps-test"] = ch
+    pending = ch.invoke_many([(handle, "wait", ())])
+    time.sleep(0.1)
+    comm.abandon()  # (no RPC agent here: only what travels beside it)
+    with pytest.raises(PsrpcError, match="it left its RPC group"):
+        pending.wait()
+    again = sidechannel.SideChannel("ps-test", address, timeout_s=10)
+    assert again.invoke_many([(handle, "push", (torch.ones(1), torch.ones(1, 2)))]).wait()
+    again.close()

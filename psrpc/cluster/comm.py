@@ -141,8 +141,26 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
         store.store().set_timeout(timedelta(seconds=rpc_timeout_s))
 
 
+_on_leave: list[Callable[[], None]] = []  # run as this process leaves its group
+
+
+def on_leave(hook: Callable[[], None]) -> None:
+    """Run `hook` whenever this process leaves its RPC group (`shutdown`, `abandon`): what
+    travels beside RPC (the side channel) ends with it, as RPC's own calls in flight do."""
+    _on_leave.append(hook)
+
+
+def _left() -> None:
+    for hook in _on_leave:
+        try:
+            hook()
+        except Exception as e:
+            warnings.warn(f"leaving the RPC group: {first_line(e)}")
+
+
 def abandon() -> None:
     """After a failed `init`: drop the agent it may have started (the group never formed)."""
+    _left()
     try:
         if rpc.api._is_current_rpc_agent_set():
             rpc.shutdown(graceful=False)
@@ -168,6 +186,7 @@ def _fresh_rpc_module_state() -> None:
 def shutdown(graceful: bool, timeout_s: float = 30.0) -> None:
     """Leave the group. graceful waits for every peer (only when all are known alive: with a
     dead peer torch's graceful shutdown would wait forever: it has no timeout)."""
+    _left()
     try:
         rpc.shutdown(graceful=graceful, timeout=timeout_s)
     except Exception:

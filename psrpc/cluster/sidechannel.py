@@ -22,8 +22,10 @@ What it keeps of RPC's guarantees:
   is code, and TensorPipe's listener is the wider door (docs/security.md).
 
 Tensors cross as NumPy arrays inside the pickle (one buffer a message, no tensor framing);
-bfloat16 and CUDA tensors are left to pickle's own path. Where the socket cannot be reached (a
-PS on another host, another network namespace) the push goes over TensorPipe as before.
+bfloat16 and CUDA tensors are left to pickle's own path. A message over a megabyte goes over
+TensorPipe, whose cross-memory reads beat two copies through the socket at that size (measured
+by benchmarks.doorbell), and so does every push where the socket cannot be reached (a PS on
+another host, another network namespace).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from psrpc.cluster.shm import host_id
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
-_HEAD = struct.Struct("<Q")  # a message: its length, then its pickle
+_HEAD = struct.Struct("<QQ")  # a message: its pickle's length and its sequence number, then it
+LARGE = 1 << 20  # bytes: a message past this goes over TensorPipe (see SideChannel.invoke_many)
 MAX_MESSAGE = 1 << 31  # a length past this is a corrupt stream, not a message
 POLL_S = 0.5  # how often a worker's reader looks for calls past their deadline
 
@@ -93,10 +96,9 @@ def unpack(obj):
     return obj
 
 
-def _send(sock: socket.socket, lock: threading.Lock, obj) -> None:
-    data = pickle.dumps(obj, protocol=5)
+def _send(sock: socket.socket, lock: threading.Lock, seq: int, body: bytes) -> None:
     with lock:
-        sock.sendall(_HEAD.pack(len(data)) + data)
+        sock.sendall(_HEAD.pack(len(body), seq) + body)
 
 
 def _read(sock: socket.socket, n: int) -> bytearray:
@@ -110,11 +112,12 @@ def _read(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _receive(sock: socket.socket):
-    (n,) = _HEAD.unpack(_read(sock, _HEAD.size))
+def _receive(sock: socket.socket) -> tuple:
+    """(sequence number, unpickled body) of the next message."""
+    n, seq = _HEAD.unpack(_read(sock, _HEAD.size))
     if n > MAX_MESSAGE:
         raise EOFError(f"a message of {n} bytes: the stream is corrupt")
-    return pickle.loads(_read(sock, n))
+    return seq, pickle.loads(_read(sock, n))
 
 
 # -- the PS's side -------------------------------------------------------------------------------
@@ -138,6 +141,28 @@ def listen() -> tuple[str, str]:
     return _address, host_id()
 
 
+_served: set[socket.socket] = set()  # the PS's connections to workers, open now
+_served_lock = threading.Lock()
+
+
+def _drop_all() -> None:
+    """This process leaves its RPC group: its channels close as its RPC calls fail (a worker's
+    calls in flight fail; a PS's workers read the end and rejoin). The listener stays: the next
+    group's workers connect to the same address."""
+    with _served_lock:
+        served = list(_served)
+    for conn in served:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    for ch in list(_open.values()):
+        ch.close()
+
+
+comm.on_leave(_drop_all)
+
+
 def _accept(server: socket.socket) -> None:
     uid = os.getuid()
     while True:
@@ -156,6 +181,8 @@ def _accept(server: socket.socket) -> None:
 def _serve(conn: socket.socket) -> None:
     """One worker's calls, each run as `comm._invoke_local_many` runs an RPC's."""
     lock = threading.Lock()
+    with _served_lock:
+        _served.add(conn)
     try:
         while True:
             seq, calls = _receive(conn)
@@ -167,6 +194,8 @@ def _serve(conn: socket.socket) -> None:
         if not isinstance(e, EOFError) or "closed" not in str(e):
             log.warning("side channel: a worker's connection ended: %s", first_line(e))
     finally:
+        with _served_lock:
+            _served.discard(conn)
         conn.close()
 
 
@@ -179,11 +208,13 @@ def _answer(conn: socket.socket, lock: threading.Lock, seq: int, done: Future,
     except Exception as e:
         out = [(False, _portable(e))]
     try:
-        _send(conn, lock, (seq, out))
+        try:
+            body = pickle.dumps(out, protocol=5)
+        except Exception as e:  # a result that does not pickle: say so instead of never answering
+            body = pickle.dumps([(False, PsrpcError(f"a reply did not pickle: {first_line(e)}"))])
+        _send(conn, lock, seq, body)
     except OSError:
         pass  # the worker is gone: its reader saw the end already
-    except Exception as e:  # a result that does not pickle: say so instead of never answering
-        _send(conn, lock, (seq, [(False, PsrpcError(f"a reply did not pickle: {first_line(e)}"))]))
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -210,9 +241,14 @@ class SideChannel:
         threading.Thread(target=self._read, daemon=True, name="psrpc-sidechannel").start()
 
     def invoke_many(self, calls: list, timeout_s: Optional[float] = None) -> Future:
-        """Calls `(handle, method, args)` to objects of the PS: a Future of their results."""
+        """Calls `(handle, method, args)` to objects of the PS: a Future of their results. A
+        message over LARGE bytes goes over TensorPipe, whose cross-memory reads beat copying
+        it through the socket."""
         fut: Future = Future()
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        body = pickle.dumps([(h.key, m, pack(a)) for h, m, a in calls], protocol=5)
+        if len(body) > LARGE:
+            return comm.invoke_many(calls, timeout)
         with self.lock:
             if self.closed is not None:
                 fut.set_exception(PsrpcError(f"the side channel to {self.owner} is closed: "
@@ -222,7 +258,7 @@ class SideChannel:
             seq = self.seq
             self.pending[seq] = (fut, time.monotonic() + timeout)
         try:
-            _send(self.sock, self.send_lock, (seq, [(h.key, m, pack(a)) for h, m, a in calls]))
+            _send(self.sock, self.send_lock, seq, body)
         except OSError as e:
             self._close(f"sending failed: {first_line(e)}")
         return fut
@@ -270,7 +306,7 @@ class SideChannel:
             pass
 
     def close(self) -> None:
-        self._close("closed by this worker")
+        self._close("closed by this worker (it left its RPC group)")
 
 
 _open: dict[str, SideChannel] = {}  # owner -> this process's channel to it
