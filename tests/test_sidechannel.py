@@ -182,3 +182,27 @@ def test_leaving_the_rpc_group_fails_the_calls_in_flight_as_rpc_does(served):
     again = sidechannel.SideChannel("ps-test", address, timeout_s=10)
     assert again.invoke_many([(handle, "push", (torch.ones(1), torch.ones(1, 2)))]).wait()
     again.close()
+
+
+def test_a_reply_stream_that_makes_no_sense_closes_the_channel_and_fails_its_calls():
+    """Whatever the reader cannot read (here: a reply that does not unpickle) ends the channel:
+    the calls waiting fail at once and later ones too, rather than waiting forever."""
+    import socket
+    import struct
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = "\0psrpc-test-garbage-%d" % os.getpid()
+    server.bind(address)
+    server.listen(1)
+    ch = sidechannel.SideChannel("ps-test", address, timeout_s=30)
+    conn, _ = server.accept()
+    pending = ch.invoke_many([(comm.Handle("ps-test", 1), "push", ())])
+    conn.sendall(struct.pack("<QQ", 5, 1) + b"\x80\x05junk")
+    t0 = time.monotonic()
+    with pytest.raises(PsrpcError, match="closed: ps-test is gone"):
+        pending.wait()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(PsrpcError, match="is closed"):
+        ch.invoke_many([(comm.Handle("ps-test", 1), "push", ())]).wait()
+    conn.close()
+    server.close()

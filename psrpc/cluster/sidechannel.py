@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import secrets
 import select
 import socket
@@ -163,58 +164,83 @@ def _drop_all() -> None:
 comm.on_leave(_drop_all)
 
 
+def _peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end (the kernel's word, SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
 def _accept(server: socket.socket) -> None:
-    uid = os.getuid()
     while True:
-        conn, _ = server.accept()
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, peer_uid, _ = struct.unpack("3i", creds)
-        if peer_uid != uid:
-            log.warning("side channel: refused a connection from pid %d of user %d", pid,
-                        peer_uid)
+        try:
+            conn, _ = server.accept()
+            pid, uid = _peer_uid(conn)
+        except OSError as e:  # out of descriptors, a peer gone before its accept: go on
+            log.warning("side channel: accept failed: %s", first_line(e))
+            time.sleep(0.1)
+            continue
+        if uid != os.getuid():
+            log.warning("side channel: refused a connection from pid %d of user %d", pid, uid)
             conn.close()
             continue
+        with _served_lock:
+            _served.add(conn)
         threading.Thread(target=_serve, args=(conn,), daemon=True,
                          name="psrpc-sidechannel-peer").start()
 
 
 def _serve(conn: socket.socket) -> None:
-    """One worker's calls, each run as `comm._invoke_local_many` runs an RPC's."""
-    lock = threading.Lock()
-    with _served_lock:
-        _served.add(conn)
+    """One worker's calls, each run as `comm._invoke_local_many` runs an RPC's; the replies
+    go out through a writer thread of this connection, so the thread that completes a call
+    (another worker's, closing a sync round) never waits on this worker's socket."""
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_write, args=(conn, replies), daemon=True,
+                     name="psrpc-sidechannel-writer").start()
     try:
         while True:
             seq, calls = _receive(conn)
             futures = [comm._call_local(key, method, unpack(args))  # (an RPC's)
                        for key, method, args in calls]
             torch.futures.collect_all(futures).then(
-                lambda f, seq=seq, futures=futures: _answer(conn, lock, seq, f, futures))
-    except (EOFError, OSError, pickle.UnpicklingError) as e:
+                lambda f, seq=seq, futures=futures: replies.put((seq, f, futures)))
+    except Exception as e:  # (the end of the stream, or one that makes no sense: close it)
         if not isinstance(e, EOFError) or "closed" not in str(e):
             log.warning("side channel: a worker's connection ended: %s", first_line(e))
     finally:
+        replies.put(None)
         with _served_lock:
             _served.discard(conn)
-        conn.close()
+        _shut(conn)
 
 
-def _answer(conn: socket.socket, lock: threading.Lock, seq: int, done: Future,
-            futures: list) -> None:
-    """Send the calls' results, or the first error among them (as comm.invoke_many's)."""
-    try:
-        done.wait()
-        out = [(True, pack(f.value())) for f in futures]
-    except Exception as e:
-        out = [(False, _portable(e))]
-    try:
+def _write(conn: socket.socket, replies: queue.SimpleQueue) -> None:
+    """Send each completed message's results, or the first error among them (as
+    comm.invoke_many's), until the connection ends."""
+    while (item := replies.get()) is not None:
+        seq, done, futures = item
+        try:
+            done.wait()
+            out = [(True, pack(f.value())) for f in futures]
+        except Exception as e:
+            out = [(False, _portable(e))]
         try:
             body = pickle.dumps(out, protocol=5)
-        except Exception as e:  # a result that does not pickle: say so instead of never answering
+        except Exception as e:  # a result that does not pickle: say so, never leave it unanswered
             body = pickle.dumps([(False, PsrpcError(f"a reply did not pickle: {first_line(e)}"))])
-        _send(conn, lock, seq, body)
+        try:
+            conn.sendall(_HEAD.pack(len(body), seq) + body)
+        except OSError:
+            return  # the worker is gone (its reader saw the end) or the connection was shut
+
+
+def _shut(sock: socket.socket) -> None:
+    """Close `sock` so that the peer reads the end now, even if a forked child holds a copy."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
-        pass  # the worker is gone: its reader saw the end already
+        pass
+    sock.close()
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -228,22 +254,28 @@ def _portable(e: BaseException) -> BaseException:
 
 # -- a worker's side -----------------------------------------------------------------------------
 class SideChannel:
-    """A worker's connection to one PS: `invoke_many` as comm.invoke_many, over the socket."""
+    """A worker's connection to one PS: `invoke_many` as comm.invoke_many, over the socket.
+    `messages`: how many went through it (not over TensorPipe)."""
 
     def __init__(self, owner: str, address: str, timeout_s: float):
         self.owner, self.address, self.timeout_s = owner, address, timeout_s
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(address)
+        if _peer_uid(self.sock)[1] != os.getuid():  # (a name in the abstract namespace is
+            self.sock.close()                       # public: whoever holds it now)
+            raise ConnectionRefusedError(f"{address[1:]} is held by another user")
+        self.sock.settimeout(timeout_s)  # a PS stopped mid-message ends a send or a read too
         self.lock = threading.Lock()  # the state below (never held while the socket blocks)
         self.send_lock = threading.Lock()
-        self.pending: dict[int, tuple[Future, float]] = {}  # seq -> (Future, deadline)
-        self.seq, self.closed = 0, None  # closed: why, once it is
+        self.pending: dict[int, tuple[Future, float, float]] = {}  # seq -> (Future, deadline,
+        self.seq, self.messages, self.closed = 0, 0, None  # its timeout); closed: why
         threading.Thread(target=self._read, daemon=True, name="psrpc-sidechannel").start()
 
     def invoke_many(self, calls: list, timeout_s: Optional[float] = None) -> Future:
         """Calls `(handle, method, args)` to objects of the PS: a Future of their results. A
         message over LARGE bytes goes over TensorPipe, whose cross-memory reads beat copying
         it through the socket."""
+        assert all(h.owner == self.owner for h, _, _ in calls), "one owner per message"
         fut: Future = Future()
         timeout = self.timeout_s if timeout_s is None else timeout_s
         body = pickle.dumps([(h.key, m, pack(a)) for h, m, a in calls], protocol=5)
@@ -255,8 +287,9 @@ class SideChannel:
                                              f"{self.closed}"))
                 return fut
             self.seq += 1
+            self.messages += 1
             seq = self.seq
-            self.pending[seq] = (fut, time.monotonic() + timeout)
+            self.pending[seq] = (fut, time.monotonic() + timeout, timeout)
         try:
             _send(self.sock, self.send_lock, seq, body)
         except OSError as e:
@@ -264,46 +297,46 @@ class SideChannel:
         return fut
 
     def _read(self) -> None:
+        why = "its reader stopped"
         try:
+            poller = select.poll()  # (not select(): it fails on descriptors past 1023)
+            poller.register(self.sock, select.POLLIN)
             while True:
-                ready, _, _ = select.select([self.sock], [], [], POLL_S)
-                if not ready:
+                if not poller.poll(POLL_S * 1000):
                     self._expire()
                     continue
                 seq, out = _receive(self.sock)
                 with self.lock:
-                    fut, _ = self.pending.pop(seq, (None, 0.0))
-                if fut is None:  # it timed out before
-                    continue
-                bad = [v for ok, v in out if not ok]
-                if bad:
-                    fut.set_exception(bad[0])
-                else:
-                    fut.set_result([unpack(v) for _, v in out])
+                    fut = self.pending.pop(seq, (None,))[0]
+                if fut is not None:  # (None: it timed out before)
+                    bad = [v for ok, v in out if not ok]
+                    if bad:
+                        fut.set_exception(bad[0])
+                    else:
+                        fut.set_result([unpack(v) for _, v in out])
                 self._expire()
-        except (EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
-            self._close(f"{self.owner} is gone ({first_line(e)})")
+        except Exception as e:  # the end of the stream, or one that makes no sense
+            why = f"{self.owner} is gone ({first_line(e)})"
+        finally:
+            self._close(why)
 
     def _expire(self) -> None:
         now = time.monotonic()
         with self.lock:
-            late = [s for s, (_, t) in self.pending.items() if t < now]
-            futures = [self.pending.pop(s)[0] for s in late]
-        for fut in futures:
-            fut.set_exception(PsrpcError(f"no reply from {self.owner} within "
-                                         f"{self.timeout_s:g} s (side channel)"))
+            late = [s for s, (_, t, _) in self.pending.items() if t < now]
+            expired = [self.pending.pop(s) for s in late]
+        for fut, _, timeout in expired:
+            fut.set_exception(PsrpcError(f"no reply from {self.owner} within {timeout:g} s "
+                                         "(side channel)"))
 
     def _close(self, why: str) -> None:
         with self.lock:
             if self.closed is None:
                 self.closed = why
-            futures, self.pending = [f for f, _ in self.pending.values()], {}
+            futures, self.pending = [f for f, _, _ in self.pending.values()], {}
         for fut in futures:
             fut.set_exception(PsrpcError(f"the side channel to {self.owner} closed: {why}"))
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        _shut(self.sock)
 
     def close(self) -> None:
         self._close("closed by this worker (it left its RPC group)")

@@ -114,10 +114,11 @@ class RowClient:
                 asked = {n: local for n, (_, local) in split[k].items()}
                 call = (self.shards[k], "push_pull_rows", args + (asked,))
             calls = [riders[k][:3], call] if k in riders else [call]
-            if self.channels[k] is not None:
-                sent = self.channels[k].invoke_many(calls, self.timeout_s)
-                if self.stats is not None:
-                    self.stats.side_channel += 1
+            if (channel := self.channels[k]) is not None:
+                before = channel.messages
+                sent = channel.invoke_many(calls, self.timeout_s)
+                if self.stats is not None:  # (not a large message: that went over TensorPipe)
+                    self.stats.side_channel += channel.messages - before
             elif k in riders:
                 sent = comm.invoke_many(calls, self.timeout_s)
             else:  # (one call: no list around its result)
