@@ -191,19 +191,28 @@ def _accept(server: socket.socket) -> None:
 
 
 def _serve(conn: socket.socket) -> None:
-    """One worker's calls, each run as `comm._invoke_local_many` runs an RPC's; the replies
-    go out through a writer thread of this connection, so the thread that completes a call
-    (another worker's, closing a sync round) never waits on this worker's socket."""
+    """One worker's calls, each run as `comm._invoke_local_many` runs an RPC's. A reply ready
+    in this thread (the round this push closed, an async apply) goes out from here; one
+    completed by another thread (another worker's push closing the round) goes through this
+    connection's writer thread, so that thread never waits on this worker's socket."""
+    lock, me = threading.Lock(), threading.get_ident()
     replies: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_write, args=(conn, replies), daemon=True,
+    threading.Thread(target=_write, args=(conn, lock, replies), daemon=True,
                      name="psrpc-sidechannel-writer").start()
+
+    def done(f, seq, futures):
+        if threading.get_ident() == me:
+            _reply(conn, lock, seq, f, futures)
+        else:
+            replies.put((seq, f, futures))
+
     try:
         while True:
             seq, calls = _receive(conn)
             futures = [comm._call_local(key, method, unpack(args))  # (an RPC's)
                        for key, method, args in calls]
             torch.futures.collect_all(futures).then(
-                lambda f, seq=seq, futures=futures: replies.put((seq, f, futures)))
+                lambda f, seq=seq, futures=futures: done(f, seq, futures))
     except Exception as e:  # (the end of the stream, or one that makes no sense: close it)
         if not isinstance(e, EOFError) or "closed" not in str(e):
             log.warning("side channel: a worker's connection ended: %s", first_line(e))
@@ -214,24 +223,28 @@ def _serve(conn: socket.socket) -> None:
         _shut(conn)
 
 
-def _write(conn: socket.socket, replies: queue.SimpleQueue) -> None:
-    """Send each completed message's results, or the first error among them (as
-    comm.invoke_many's), until the connection ends."""
+def _write(conn: socket.socket, lock: threading.Lock, replies: queue.SimpleQueue) -> None:
     while (item := replies.get()) is not None:
-        seq, done, futures = item
-        try:
-            done.wait()
-            out = [(True, pack(f.value())) for f in futures]
-        except Exception as e:
-            out = [(False, _portable(e))]
-        try:
-            body = pickle.dumps(out, protocol=5)
-        except Exception as e:  # a result that does not pickle: say so, never leave it unanswered
-            body = pickle.dumps([(False, PsrpcError(f"a reply did not pickle: {first_line(e)}"))])
-        try:
-            conn.sendall(_HEAD.pack(len(body), seq) + body)
-        except OSError:
-            return  # the worker is gone (its reader saw the end) or the connection was shut
+        _reply(conn, lock, *item)
+
+
+def _reply(conn: socket.socket, lock: threading.Lock, seq: int, done: Future,
+           futures: list) -> None:
+    """Send the results of a message's calls (`done`: all of them collected), or the first
+    error among them (as comm.invoke_many's)."""
+    try:
+        done.wait()
+        out = [(True, pack(f.value())) for f in futures]
+    except Exception as e:
+        out = [(False, _portable(e))]
+    try:
+        body = pickle.dumps(out, protocol=5)
+    except Exception as e:  # a result that does not pickle: say so, never leave it unanswered
+        body = pickle.dumps([(False, PsrpcError(f"a reply did not pickle: {first_line(e)}"))])
+    try:
+        _send(conn, lock, seq, body)
+    except OSError:
+        pass  # the worker is gone (its reader saw the end) or the connection was shut
 
 
 def _shut(sock: socket.socket) -> None:
