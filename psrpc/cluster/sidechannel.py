@@ -1,13 +1,11 @@
 """A side channel for a worker's per-step table pushes to a PS on its own host: one Unix socket
 per (worker, PS) pair instead of TensorPipe (`cluster.shm` auto or on).
 
-A table push and its reply are a few tens of kilobytes. Over TensorPipe each one wakes its
-event-loop thread, hands over to the RPC thread pool and back, on both sides: on a 2-core host
-with two workers and a PS those threads took about a third of a core (measured per thread),
-more than the PS's own work on the rows. Here the worker writes the pickled calls to the socket
-and one thread on each side reads: the PS's runs the calls as an RPC would (the same objects,
-the same `_call_local`, their Futures) and writes the results back when they complete (a sync
-round's reply when the round closes); the worker's completes the Futures the push returned.
+A table push and its reply are a few tens of kilobytes. Over TensorPipe each wakes an event
+loop and hands over to the RPC thread pool and back, on both sides: on 2 cores with two workers
+and a PS that took about a third of a core. Here the worker writes the pickled calls to the
+socket; the PS runs them as an RPC would (`_call_local`, the same objects and Futures) and
+writes the results back when they complete; a thread of the worker completes its Futures.
 
 What it keeps of RPC's guarantees:
 - **Timeouts**: a call with no reply after `timeout_s` fails with a message naming the PS, as an
@@ -69,32 +67,36 @@ class _Array:
         return (_Array, (self.a,))
 
 
-def pack(obj):
-    """`obj` with its CPU tensors as `_Array`s, through tuples, lists, dicts and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu" and obj.dtype != torch.bfloat16 and not obj.requires_grad:
-            return _Array(obj.numpy())
-        return obj
+def _walk(obj, leaf):
+    """`obj` with `leaf(x)` in place of each x for which it is not None, through tuples, lists,
+    dicts and dataclasses."""
+    if (out := leaf(obj)) is not None:
+        return out
     if isinstance(obj, (tuple, list)):
-        return type(obj)(pack(x) for x in obj)
+        return type(obj)(_walk(x, leaf) for x in obj)
     if isinstance(obj, dict):
-        return {k: pack(v) for k, v in obj.items()}
+        return {k: _walk(v, leaf) for k, v in obj.items()}
     if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: pack(getattr(obj, f.name)) for f in fields(obj)})
+        return replace(obj, **{f.name: _walk(getattr(obj, f.name), leaf) for f in fields(obj)})
     return obj
+
+
+def _as_array(x):
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu" and x.dtype != torch.bfloat16 and not x.requires_grad:
+            return _Array(x.numpy())
+        return x
+    return None
+
+
+def pack(obj):
+    """`obj` with its CPU tensors as `_Array`s."""
+    return _walk(obj, _as_array)
 
 
 def unpack(obj):
     """The inverse of `pack` (the tensors share the arrays' memory)."""
-    if isinstance(obj, _Array):
-        return torch.from_numpy(obj.a)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(unpack(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: unpack(v) for k, v in obj.items()}
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: unpack(getattr(obj, f.name)) for f in fields(obj)})
-    return obj
+    return _walk(obj, lambda x: torch.from_numpy(x.a) if isinstance(x, _Array) else None)
 
 
 def _send(sock: socket.socket, lock: threading.Lock, seq: int, body: bytes) -> None:
