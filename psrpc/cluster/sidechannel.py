@@ -19,11 +19,9 @@ What it keeps of RPC's guarantees:
   the process), and the PS serves only connections from its own user id (SO_PEERCRED): a pickle
   is code, and TensorPipe's listener is the wider door (docs/security.md).
 
-Tensors cross as NumPy arrays inside the pickle (one buffer a message, no tensor framing);
-bfloat16 and CUDA tensors are left to pickle's own path. A message over a megabyte goes over
-TensorPipe, whose cross-memory reads beat two copies through the socket at that size (measured
-by benchmarks.doorbell), and so does every push where the socket cannot be reached (a PS on
-another host, another network namespace).
+Tensors cross as NumPy arrays inside the pickle (bfloat16 and CUDA ones as pickle does them).
+A message over 1 MB goes over TensorPipe (its cross-memory reads beat two socket copies there,
+benchmarks.doorbell), as does every push where the socket cannot be reached (another host).
 """
 
 from __future__ import annotations
@@ -149,9 +147,7 @@ _served_lock = threading.Lock()
 
 
 def _drop_all() -> None:
-    """This process leaves its RPC group: its channels close as its RPC calls fail (a worker's
-    calls in flight fail; a PS's workers read the end and rejoin). The listener stays: the next
-    group's workers connect to the same address."""
+    """Leaving the RPC group closes every channel, as RPC's calls fail (the listener stays)."""
     with _served_lock:
         served = list(_served)
     for conn in served:
