@@ -189,7 +189,7 @@ def _accept(server: socket.socket) -> None:
 
 
 def _serve(conn: socket.socket) -> None:
-    """One worker's calls, each run as `comm._invoke_local_many` runs an RPC's. A reply ready
+    """One worker's messages, each call run as an RPC's (`comm._call_local`). A reply ready
     in this thread (the round this push closed, an async apply) goes out from here; one
     completed by another thread (another worker's push closing the round) goes through this
     connection's writer thread, so that thread never waits on this worker's socket."""
@@ -198,19 +198,18 @@ def _serve(conn: socket.socket) -> None:
     threading.Thread(target=_write, args=(conn, lock, replies), daemon=True,
                      name="psrpc-sidechannel-writer").start()
 
-    def done(f, seq, futures):
+    def done(seq, collected, futures):
         if threading.get_ident() == me:
-            _reply(conn, lock, seq, f, futures)
+            _reply(conn, lock, seq, collected, futures)
         else:
-            replies.put((seq, f, futures))
+            replies.put((seq, collected, futures))
 
     try:
         while True:
             seq, calls = _receive(conn)
-            futures = [comm._call_local(key, method, unpack(args))  # (an RPC's)
-                       for key, method, args in calls]
+            futures = [comm._call_local(key, method, unpack(args)) for key, method, args in calls]
             torch.futures.collect_all(futures).then(
-                lambda f, seq=seq, futures=futures: done(f, seq, futures))
+                lambda f, seq=seq, futures=futures: done(seq, f, futures))
     except Exception as e:  # (the end of the stream, or one that makes no sense: close it)
         if not isinstance(e, EOFError) or "closed" not in str(e):
             log.warning("side channel: a worker's connection ended: %s", first_line(e))
@@ -226,19 +225,20 @@ def _write(conn: socket.socket, lock: threading.Lock, replies: queue.SimpleQueue
         _reply(conn, lock, *item)
 
 
-def _reply(conn: socket.socket, lock: threading.Lock, seq: int, done: Future,
+def _reply(conn: socket.socket, lock: threading.Lock, seq: int, collected: Future,
            futures: list) -> None:
-    """Send the results of a message's calls (`done`: all of them collected), or the first
-    error among them (as comm.invoke_many's)."""
+    """Send a message's results (`collected`: its calls' Futures collected), or the first
+    error among them (as comm.invoke_many's, its own type kept): (True, results) or
+    (False, error)."""
     try:
-        done.wait()
-        out = [(True, pack(f.value())) for f in futures]
+        collected.wait()
+        out = (True, pack([f.value() for f in futures]))
     except Exception as e:
-        out = [(False, _portable(e))]
+        out = (False, _portable(e))
     try:
         body = pickle.dumps(out, protocol=5)
     except Exception as e:  # a result that does not pickle: say so, never leave it unanswered
-        body = pickle.dumps([(False, PsrpcError(f"a reply did not pickle: {first_line(e)}"))])
+        body = pickle.dumps((False, PsrpcError(f"a reply did not pickle: {first_line(e)}")))
     try:
         _send(conn, lock, seq, body)
     except OSError:
@@ -320,11 +320,11 @@ class SideChannel:
                 with self.lock:
                     fut = self.pending.pop(seq, (None,))[0]
                 if fut is not None:  # (None: it timed out before)
-                    bad = [v for ok, v in out if not ok]
-                    if bad:
-                        fut.set_exception(bad[0])
+                    ok, value = out
+                    if ok:
+                        fut.set_result(unpack(value))
                     else:
-                        fut.set_result([unpack(v) for _, v in out])
+                        fut.set_exception(value)
                 self._expire()
         except Exception as e:  # the end of the stream, or one that makes no sense
             why = f"{self.owner} is gone ({first_line(e)})"

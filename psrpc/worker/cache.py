@@ -215,14 +215,9 @@ class RowCache:
         spill, self._spill = self._spill, {}
         looked, asked = [], {}
         for k, g, b in self._by_group(rows):
-            cached, fresh, n_fresh, hits = g.lookup(b, now, self.staleness, clear=not spill)
-            if spill:  # pulled ahead, but no slot could take them: taken from there
-                for i, part in enumerate(b.split(fresh)):
-                    if b.names[i] in spill:
-                        part &= _find(spill[b.names[i]][0], b.tensors[i].numpy()) < 0
-                n_fresh = int(fresh.sum())
-                hits = int((fresh & ~g.ahead[b.slots]).sum())
-                g.ahead[b.slots[fresh]] = False
+            # (a row waiting in the spill is not in its slot: a fill has not run since the
+            # one that found its slot taken, so it is never fresh here but taken from there)
+            cached, fresh, n_fresh, hits = g.lookup(b, now, self.staleness, clear=True)
             self._step[k] = b
             self.stats.cache_lookups += b.rows.size
             self.stats.cache_hits += hits  # (rows pulled ahead are pulled, not hits)
