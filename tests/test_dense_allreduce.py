@@ -1,5 +1,5 @@
 """update.dense=allreduce over real clusters: the dense parameters replicated on the workers and
-averaged by a gloo process group beside the RPC agent, only the tables on the PS. The contracts
+averaged among the workers beside the RPC agent (over Unix sockets on one host, else gloo), only the tables on the PS. The contracts
 of the PS path hold bit for bit: the same bits as the PS gives, whatever the number of PS; W
 workers of batch B equal one of batch W·B; a resumed run equals an uninterrupted one (into
 another number of PS too); a killed worker rejoins with the replicas still identical."""
@@ -22,11 +22,14 @@ def ps_w2(tmp_path_factory):
                                                 "train.batch_size=32", "optim=adam"])
 
 
-def test_allreduce_gives_the_bits_of_the_ps(tmp_path, ps_w2):
+@pytest.mark.parametrize("shm,group", [("auto", "sockets"), ("off", "gloo")])
+def test_allreduce_gives_the_bits_of_the_ps(tmp_path, ps_w2, shm, group):
+    """Over psrpc's own all-reduce among the workers of one host, and over gloo."""
     run = _run(tmp_path, ALLREDUCE + ["cluster.num_workers=2", "cluster.num_ps=2",
-                                      "train.batch_size=32", "optim=adam"])
+                                      "train.batch_size=32", "optim=adam", f"cluster.shm={shm}"])
     summary = run[0]
     assert summary["dense"] == "allreduce" and summary["dense_replicas_identical"]
+    assert summary["dense_group"] == group
     assert summary["samples"] == ps_w2[0]["samples"] == 20 * 64
     assert summary["shards"][0]["per_worker_applied"] == {"0": 20, "1": 20}
     _assert_equal(run, ps_w2)  # dense and tables, bit for bit
@@ -87,6 +90,7 @@ def test_buckets_are_all_reduced_in_index_order_whatever_order_backward_complete
     ar = DenseAllReduce.__new__(DenseAllReduce)
     ar.size, ar.flat = 2, SimpleNamespace(grads=[torch.full((2,), float(k)) for k in range(4)])
     ar.group = lambda: SimpleNamespace(allreduce=lambda ts: launched.append(int(ts[0][0])))
+    ar._works, ar._group = [], None
     ar.abandon()
     for k in (2, 0, 3):
         ar.start(k)
@@ -145,7 +149,7 @@ def test_a_step_applied_ahead_of_a_round_that_does_not_close_is_undone(restore_b
                                                 eps=1e-8, weight_decay=0.0, schedule="constant",
                                                 warmup_steps=0),
                           train=SimpleNamespace(steps=100), cluster=SimpleNamespace(
-                              rpc_timeout_s=None, init_timeout_s=30),
+                              rpc_timeout_s=None, init_timeout_s=30, shm="auto"),
                           update=SimpleNamespace(timeout_s=30))
     flat = SimpleNamespace(params=params, grads=[torch.randn(5), torch.randn(3)])
     ar = DenseAllReduce(cfg, 0, 1, flat, DenseState(0, [p.clone() for p in params], [{}, {}]))

@@ -47,6 +47,7 @@ import os
 import secrets
 import socket
 import stat
+import struct
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Optional
@@ -319,6 +320,14 @@ def mode(cfg, same_host: bool) -> Optional[str]:
     everyone = (cfg.update.name == "sync" and cfg.update.replicas_to_aggregate in
                 (None, replicas(cfg)))
     return "views" if everyone else "slots"
+
+
+def peer_uid(sock) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket (the kernel's word,
+    SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
 
 
 def host_id() -> str:

@@ -43,7 +43,7 @@ import torch
 from torch.futures import Future
 
 from psrpc.cluster import comm
-from psrpc.cluster.shm import host_id
+from psrpc.cluster.shm import host_id, peer_uid
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
@@ -162,18 +162,11 @@ def _drop_all() -> None:
 comm.on_leave(_drop_all)
 
 
-def _peer_uid(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process at the other end (the kernel's word, SO_PEERCRED)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _ = struct.unpack("3i", creds)
-    return pid, uid
-
-
 def _accept(server: socket.socket) -> None:
     while True:
         try:
             conn, _ = server.accept()
-            pid, uid = _peer_uid(conn)
+            pid, uid = peer_uid(conn)
         except OSError as e:  # out of descriptors, a peer gone before its accept: go on
             log.warning("side channel: accept failed: %s", first_line(e))
             time.sleep(0.1)
@@ -272,7 +265,7 @@ class SideChannel:
         self.owner, self.address, self.timeout_s = owner, address, timeout_s
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(address)
-        if _peer_uid(self.sock)[1] != os.getuid():  # (a name in the abstract namespace is
+        if peer_uid(self.sock)[1] != os.getuid():  # (a name in the abstract namespace is
             self.sock.close()                       # public: whoever holds it now)
             raise ConnectionRefusedError(f"{address[1:]} is held by another user")
         self.sock.settimeout(timeout_s)  # a PS stopped mid-message ends a send or a read too

@@ -166,7 +166,9 @@ def _dense_replicas(cfg, workers: dict) -> dict:
     if cfg.update.dense != "allreduce":
         return {"dense": "ps"}
     digests = {w["dense_digest"] for w in workers.values() if w.get("dense_digest")}
-    return {"dense": "allreduce", "dense_replicas_identical": len(digests) == 1}
+    kinds = sorted({w["dense_group"] for w in workers.values() if w.get("dense_group")})
+    return {"dense": "allreduce", "dense_replicas_identical": len(digests) == 1,
+            "dense_group": "/".join(kinds)}
 
 
 def log_done(summary: dict, out_dir: Path) -> None:

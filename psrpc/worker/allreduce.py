@@ -16,8 +16,10 @@ shards were lined up at: the gradient of a round the clock closed but whose repl
 applied (every worker averaged it), a step passed without an update is counted (Adam's bias
 correction, as on a PS). A PS rolled back hands out the checkpoint's dense state instead.
 
-The process group is NCCL for CUDA workers with a GPU each, gloo over TCP otherwise (CPU
-workers, or CUDA workers sharing a GPU), formed through the run's store under a prefix of the
+The process group is NCCL for CUDA workers with a GPU each; for CPU workers all on one host
+psrpc's own sum over Unix sockets (psrpc/cluster/localreduce.py: no threads of its own, where
+gloo's two woke a dozen times a step), unless cluster.shm=off; gloo over TCP otherwise (workers
+on several hosts, CUDA workers sharing a GPU), formed through the run's store under a prefix of the
 epoch (giving up when a newer epoch is announced), with the RPC timeout as its timeout: a worker
 that dies mid all-reduce ends its peers' wait with an error (its sockets close), then a new
 epoch.
@@ -34,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from psrpc.cluster import comm, membership
+from psrpc.cluster import comm, localreduce, membership
 from psrpc.cluster import store as store_mod
 from psrpc.optim import build_optimizer, count_step, lr_factor, step_scaled
 from psrpc.worker.flat import FlatModel
@@ -48,6 +50,8 @@ class DenseAllReduce:
     def __init__(self, cfg, rank: int, size: int, flat: FlatModel, state: DenseState,
                  nccl: bool = False):
         self.flat, self.rank, self.size, self.nccl = flat, rank, size, nccl
+        # CPU workers all on one host sum over Unix sockets instead of gloo (cluster.shm)
+        self.local = not nccl and cfg.cluster.shm != "off" and flat.params[0].device.type == "cpu"
         self.optim_cfg, self.total_steps = cfg.optim, cfg.train.steps
         # a peer that died ends the wait at once (its sockets close); this bounds the rest,
         # a chief busy evaluating included, as long as an RPC to the PS may take
@@ -96,6 +100,15 @@ class DenseAllReduce:
             h.update(p.detach().cpu().numpy().tobytes())
         return h.hexdigest()[:16]
 
+    def kind(self) -> str:
+        """What averages the replicas: "sockets" (the workers of one host, psrpc's own), "gloo",
+        "nccl", or "none" (one worker, or no step yet)."""
+        if self._group is None:
+            return "none"
+        if isinstance(self._group, localreduce.LocalGroup):
+            return "sockets"
+        return "nccl" if self.nccl else "gloo"
+
     def catch_up(self, target: int) -> None:
         """Bring the replica to global step `target` (where the clock is): a round it averaged
         whose reply was lost is applied once the clock has passed it; further steps passed
@@ -122,7 +135,13 @@ class DenseAllReduce:
             # forming gives up as soon as a newer epoch is announced (a member will not come)
             prefix = dist.PrefixStore(key, store_mod.abortable(membership.changing,
                                                                self.timeout.total_seconds()))
-            self._group = _make_group(prefix, self.rank, self.size, self.timeout, self.nccl)
+            self._group = None
+            if self.local:  # None when the workers are not all on one host: gloo then
+                self._group = localreduce.form(prefix, self.rank, self.size,
+                                               self.timeout.total_seconds(), membership.changing)
+            if self._group is None:
+                self._group = _make_group(prefix, self.rank, self.size, self.timeout,
+                                          self.nccl)
             _GROUPS.append(self._group)
             self._group_key = key
         return self._group
@@ -159,6 +178,9 @@ class DenseAllReduce:
     def abandon(self) -> None:
         """Before a step: drop what a failed one left (a membership change), or the average
         of a step computed ahead for a version the clock's reply did not confirm."""
+        if any(not getattr(w, "done", True) for w in self._works) and isinstance(
+                self._group, localreduce.LocalGroup):  # (gloo's pair up again by themselves)
+            self._group.break_off("a step was abandoned with its all-reduce unfinished")
         self._works, self._ready, self._next, self.pending = [], set(), 0, None
 
     def settle(self, version: int, ahead: bool = False) -> None:
@@ -236,6 +258,9 @@ def _retire(group) -> None:
     """A gone epoch's group: NCCL's is aborted (its communicators would otherwise hold a
     collective a dead peer never joins); gloo's is kept (destroying one whose peer died can
     block)."""
+    if isinstance(group, localreduce.LocalGroup):
+        group.close()
+        return
     abort = getattr(group, "abort", None) if isinstance(group, getattr(
         dist, "ProcessGroupNCCL", ())) else None
     if abort is not None:

@@ -326,6 +326,7 @@ class Worker(Replica):
                 break
         if self.allreduce is not None:
             self.stats.dense_digest = self.allreduce.digest()
+            self.stats.dense_group = self.allreduce.kind()
 
 
 _EMPTY = torch.zeros(0)  # the gradient pushed to the clock shard (update.dense=allreduce)

@@ -38,6 +38,7 @@ class WorkerStats:
     table_rpcs: int = 0  # messages to the table shards (pulls and pushes)
     side_channel: int = 0  # of those, pushes through a side channel (a PS on this host)
     dense_digest: Optional[str] = None  # update.dense=allreduce: the replica's, at the end
+    dense_group: Optional[str] = None  # and what averaged it (DenseAllReduce.kind)
 
 
 def model_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
