@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from psrpc.cluster.shm import host_id, peer_uid
+from psrpc.cluster.shm import close_socket, host_id, peer_uid
 from psrpc.errors import PsrpcError
 
 _HEAD = struct.Struct("<QQ")  # each buffer sent: the all-reduce's sequence number, its bytes
@@ -80,7 +80,7 @@ class LocalGroup:
     def close(self) -> None:
         self.break_off("the group was closed")
         for s in self.socks.values():
-            _shut(s)
+            close_socket(s)
 
     def _guard(self, fn, *args) -> None:
         if self.broken is not None:
@@ -257,7 +257,7 @@ def form(store, rank: int, size: int, timeout_s: float,
         return group
     finally:
         for s in socks.values():
-            _shut(s)
+            close_socket(s)
         server.close()
 
 
@@ -285,11 +285,3 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise LocalReduceError("dense all-reduce: a peer closed while the group formed")
         buf += k
     return buf
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

@@ -330,6 +330,15 @@ def peer_uid(sock) -> tuple[int, int]:
     return pid, uid
 
 
+def close_socket(sock) -> None:
+    """Close `sock` so that the peer reads the end now, even if a forked child holds a copy."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def host_id() -> str:
     """Which machine this process runs on: two ranks with the same id share memory."""
     try:

@@ -43,7 +43,7 @@ import torch
 from torch.futures import Future
 
 from psrpc.cluster import comm
-from psrpc.cluster.shm import host_id, peer_uid
+from psrpc.cluster.shm import close_socket, host_id, peer_uid
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
@@ -210,7 +210,7 @@ def _serve(conn: socket.socket) -> None:
         replies.put(None)
         with _served_lock:
             _served.discard(conn)
-        _shut(conn)
+        close_socket(conn)
 
 
 def _write(conn: socket.socket, lock: threading.Lock, replies: queue.SimpleQueue) -> None:
@@ -236,15 +236,6 @@ def _reply(conn: socket.socket, lock: threading.Lock, seq: int, collected: Futur
         _send(conn, lock, seq, body)
     except OSError:
         pass  # the worker is gone (its reader saw the end) or the connection was shut
-
-
-def _shut(sock: socket.socket) -> None:
-    """Close `sock` so that the peer reads the end now, even if a forked child holds a copy."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -340,7 +331,7 @@ class SideChannel:
             futures, self.pending = [f for f, _, _ in self.pending.values()], {}
         for fut in futures:
             fut.set_exception(PsrpcError(f"the side channel to {self.owner} closed: {why}"))
-        _shut(self.sock)
+        close_socket(self.sock)
 
     def close(self) -> None:
         self._close("closed by this worker (it left its RPC group)")
