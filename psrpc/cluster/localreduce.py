@@ -81,6 +81,7 @@ class LocalGroup:
         self.break_off("the group was closed")
         for s in self.socks.values():
             close_socket(s)
+        self._spare, self.outgoing = {}, {p: [] for p in self.socks}
 
     def _guard(self, fn, *args) -> None:
         if self.broken is not None:
@@ -136,12 +137,12 @@ class LocalGroup:
                     except KeyError:
                         pass
             left = deadline - time.monotonic()
-            events = poller.poll(max(0.0, left) * 1000) if left > 0 else []
+            events = poller.poll(left * 1000) if left > 0 else []
             if not events:
                 late = sorted(want) or sorted(owed)
                 raise LocalReduceError(
-                    f"dense all-reduce: nothing from worker(s) {late} in {self.timeout_s:.0f} s "
-                    "(the RPC timeout); a worker is stuck or gone")
+                    f"dense all-reduce: worker(s) {late} did not complete it in "
+                    f"{self.timeout_s:.0f} s (the RPC timeout); a worker is stuck or gone")
             for fd, ev in events:
                 p = next(q for q, s in self.socks.items() if s.fileno() == fd)
                 if ev & select.POLLIN and p in want:
@@ -208,6 +209,7 @@ def form(store, rank: int, size: int, timeout_s: float,
     server.bind(address)
     server.listen(size)
     socks: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         store.set(f"addr/{rank}", f"{host_id()}\n{address}")
         peers = [store.get(f"addr/{p}").decode().split("\n", 1) for p in range(size)]
@@ -215,20 +217,20 @@ def form(store, rank: int, size: int, timeout_s: float,
             return None
         failed = None
         for p in range(rank):  # connect to every lower rank, say who this is
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.settimeout(timeout_s)
                 s.connect(peers[p][1])
-                s.sendall(struct.pack("<Q", rank))
                 _check_peer(s)
+                s.sendall(struct.pack("<Q", rank))
                 socks[p] = s
-            except OSError as e:
+            except (OSError, LocalReduceError) as e:
+                close_socket(s)
                 failed = f"rank {rank} could not reach rank {p}: {e}"
                 break
         if failed is not None:
             store.set("failed", failed)
             return None
-        deadline = time.monotonic() + timeout_s
         server.settimeout(POLL_SLICE_S)
         while len(socks) < size - 1:  # accept every higher rank
             if store.check(["failed"]):
@@ -238,10 +240,15 @@ def form(store, rank: int, size: int, timeout_s: float,
                 conn, _ = server.accept()
             except socket.timeout:
                 continue
-            conn.settimeout(timeout_s)
-            _check_peer(conn)
-            (p,) = struct.unpack("<Q", _recv_exact(conn, 8))
+            try:
+                conn.settimeout(timeout_s)
+                _check_peer(conn)  # (another user's connection is dropped, not an error)
+                (p,) = struct.unpack("<Q", _recv_exact(conn, 8))
+            except (OSError, LocalReduceError):
+                close_socket(conn)
+                continue
             if not rank < p < size or p in socks:
+                close_socket(conn)
                 raise LocalReduceError(f"dense all-reduce: a connection claimed rank {p}")
             socks[p] = conn
         store.set(f"ok/{rank}", "1")
@@ -273,7 +280,6 @@ def _give_up_if(abort, deadline: float, rank: int) -> None:
 def _check_peer(sock: socket.socket) -> None:
     pid, uid = peer_uid(sock)
     if uid != os.getuid():
-        sock.close()
         raise LocalReduceError(f"dense all-reduce: pid {pid} of user {uid} connected")
 
 

@@ -135,15 +135,18 @@ class DenseAllReduce:
             # forming gives up as soon as a newer epoch is announced (a member will not come)
             prefix = dist.PrefixStore(key, store_mod.abortable(membership.changing,
                                                                self.timeout.total_seconds()))
-            self._group = None
+            if self._group_key == key:  # a form of this epoch failed: its keys are used
+                raise localreduce.LocalReduceError(
+                    "dense all-reduce: the group of this membership epoch could not be formed; "
+                    "the workers form one in the next epoch")
+            self._group, self._group_key = None, key
             if self.local:  # None when the workers are not all on one host: gloo then
                 self._group = localreduce.form(prefix, self.rank, self.size,
                                                self.timeout.total_seconds(), membership.changing)
             if self._group is None:
                 self._group = _make_group(prefix, self.rank, self.size, self.timeout,
                                           self.nccl)
-            _GROUPS.append(self._group)
-            self._group_key = key
+                _GROUPS.append(self._group)  # (gloo's: see _GROUPS)
         return self._group
 
     def start(self, k: int) -> None:
