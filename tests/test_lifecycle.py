@@ -132,6 +132,12 @@ def test_sigterm_with_a_lost_worker_still_commits_the_final_checkpoint_at_once(t
         cwd=tmp_path, stdout=(tmp_path / "output.txt").open("w"), stderr=subprocess.STDOUT)
     try:
         _wait_for(ck / "step-50" / "manifest.json", 120, out)
+        # worker1 starts its first step only once it has made its data (about a second on
+        # two busy cores): the signal waits for its death, or it could still be alive then
+        deadline = time.monotonic() + 60
+        while "worker1 died" not in (tmp_path / "output.txt").read_text():
+            assert time.monotonic() < deadline, f"worker1 never died{_tails(out)}"
+            time.sleep(0.2)
         family = [proc.pid] + _descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
