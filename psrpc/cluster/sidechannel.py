@@ -148,6 +148,8 @@ _served_lock = threading.Lock()
 
 def _drop_all() -> None:
     """Leaving the RPC group closes every channel, as RPC's calls fail (the listener stays)."""
+    for ch in list(_open.values()):  # first: its calls fail for this reason, not the EOF
+        ch.close()
     with _served_lock:
         served = list(_served)
     for conn in served:
@@ -155,8 +157,6 @@ def _drop_all() -> None:
             conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-    for ch in list(_open.values()):
-        ch.close()
 
 
 comm.on_leave(_drop_all)
