@@ -148,6 +148,7 @@ def test_a_group_left_out_of_step_refuses_every_later_call():
     call fails clearly instead of adding the wrong buffers."""
     def body(rank, group):
         group.allreduce([torch.ones(10)])  # never waited
+        assert group.unfinished
         group.break_off("a step was abandoned with its all-reduce unfinished")
         with pytest.raises(LocalReduceError, match="abandoned"):
             group.allreduce([torch.ones(10)])

@@ -56,6 +56,8 @@ class LocalGroup:
         # peer rank -> [(all-reduce seq, bytes still to send)], in stream order
         self.outgoing: dict[int, list[tuple[int, memoryview]]] = {p: [] for p in socks}
         self.seq = 0
+        self.waited = 0  # the last all-reduce completed (waits come in order)
+        self._peer = {sock.fileno(): p for p, sock in socks.items()}  # poll's fd -> peer rank
         self._spare: dict[tuple, dict] = {}  # (numel, dtype) -> receive buffers by peer
         self.broken: Optional[LocalReduceError] = None  # every later call fails with it
 
@@ -70,6 +72,11 @@ class LocalGroup:
                                  (self.seq, data)]
         self._guard(self._send_some)
         return _Work(self, t, self.seq)
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether an all-reduce was started and not waited for."""
+        return self.seq > self.waited
 
     def break_off(self, why: str) -> None:
         """Calls were dropped unfinished (a failed step): the streams are out of step, so every
@@ -144,7 +151,7 @@ class LocalGroup:
                     f"dense all-reduce: worker(s) {late} did not complete it in "
                     f"{self.timeout_s:.0f} s (the RPC timeout); a worker is stuck or gone")
             for fd, ev in events:
-                p = next(q for q, s in self.socks.items() if s.fileno() == fd)
+                p = self._peer[fd]
                 if ev & select.POLLIN and p in want:
                     if self._read(p, want[p], seq):
                         del want[p]
@@ -160,6 +167,7 @@ class LocalGroup:
                 total.add_(x)
             t.copy_(total)
         self._spare[key] = bufs
+        self.waited = seq
 
     def _read(self, p: int, st: list, seq: int) -> bool:
         """Read what peer p has sent of all-reduce `seq` into `st` (header, got, body, got):

@@ -181,8 +181,8 @@ class DenseAllReduce:
     def abandon(self) -> None:
         """Before a step: drop what a failed one left (a membership change), or the average
         of a step computed ahead for a version the clock's reply did not confirm."""
-        if any(not getattr(w, "done", True) for w in self._works) and isinstance(
-                self._group, localreduce.LocalGroup):  # (gloo's pair up again by themselves)
+        if isinstance(self._group, localreduce.LocalGroup) and self._group.unfinished:
+            # (gloo's collectives pair up again by themselves; these streams are out of step)
             self._group.break_off("a step was abandoned with its all-reduce unfinished")
         self._works, self._ready, self._next, self.pending = [], set(), 0, None
 
