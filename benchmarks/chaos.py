@@ -301,6 +301,10 @@ def _damage_checkpoint(folder: Path, s: dict, steps: int, how: str) -> str:
     """A previous run to 30 steps, then its newest shard file truncated or removed."""
     first = Run(folder / "before", overrides(s), 30)
     first.proc.wait(timeout=120)
+    if not first.ck.is_dir():  # the schedule cannot be run: say why, not FileNotFoundError
+        tail = first.stderr_path.read_text(errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError(f"the run before the damage (30 steps) left no checkpoint (exit "
+                           f"{first.proc.returncode}): " + " | ".join(tail))
     shutil.move(str(first.ck), str(folder / "ck"))
     newest = checkpoint.steps_on_disk(folder / "ck")[0][1]
     victim = newest / "shard-0.pt"

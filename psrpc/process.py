@@ -28,7 +28,7 @@ from psrpc.session import chief
 from psrpc.session.chief import STOP_WAIT_S, Chief
 from psrpc.worker.data_parallel import Worker
 from psrpc.worker.pipeline import PipelineLeader
-from psrpc.worker.replica import await_change
+from psrpc.worker.replica import MEMBERSHIP_GRACE_S, await_change
 
 log = logging.getLogger("psrpc")
 
@@ -250,6 +250,11 @@ def _wait_for_stop(topo: Topology) -> bool:
         try:
             phase = comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
         except Exception as e:
+            # The chief left the old group for a new epoch's while the ping was under way
+            # (the announcement reaches the ranks one by one): join that epoch too.
+            if not membership.ended() and membership.wait_change(MEMBERSHIP_GRACE_S):
+                membership.rejoin()
+                continue
             raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "
                              f"{first_line(e)}") from e
         if _TERMINATING and not _STOP.is_set():

@@ -208,6 +208,36 @@ def test_ranks_leave_at_once_when_the_chief_is_gone(monkeypatch):
         process._wait_for_stop(Topology(1, 2).with_rank(0))
 
 
+def test_a_ping_failing_during_a_membership_change_rejoins_instead_of_leaving(monkeypatch):
+    """The chief can leave the old group for a new epoch's while a PS's ping is under way
+    (the launcher's wake-up reaches the ranks one by one): the PS joins that epoch too, and
+    pings the chief there, instead of ending with 'lost contact'."""
+    from psrpc import process
+    from psrpc.cluster import comm, membership
+    from psrpc.cluster.topology import Topology
+
+    pings, rejoined = [], []
+    stop = threading.Event()
+
+    def ping(to, fn, *args, **kwargs):
+        pings.append(to)
+        if len(pings) == 1:
+            raise RuntimeError("RPC is no longer running")  # the chief left mid-ping
+        stop.set()  # in the new group: the chief answers, then says stop
+        return "training"
+
+    monkeypatch.setattr(comm, "call_sync", ping)
+    monkeypatch.setattr(process, "PING_EVERY_S", 0.01)
+    monkeypatch.setattr(process, "_TERMINATING", [])
+    monkeypatch.setattr(process, "_STOP", stop)
+    monkeypatch.setattr(process, "_GRACEFUL", [True])
+    monkeypatch.setattr(membership, "ended", lambda: False)
+    monkeypatch.setattr(membership, "wait_change", lambda timeout_s: True)
+    monkeypatch.setattr(membership, "rejoin", lambda: rejoined.append(1) or 1)
+    assert process._wait_for_stop(Topology(1, 2).with_rank(0)) is True
+    assert rejoined == [1] and pings == ["worker0", "worker0"]
+
+
 def _busy_final_save() -> None:
     signal.signal(signal.SIGTERM, lambda *a: None)  # a chief still busy saving
     time.sleep(60)
