@@ -26,22 +26,25 @@ def _rejoined(summary, worker: int = 2):
     return epochs, grew
 
 
-# async with a staleness bound: the survivors wait (at most 4 steps ahead) for the restarted
-# worker, so it pushes again whatever the machine's speed. Unbounded, the survivors can finish
-# the run before it has made its data (it has no claim on any step), and the check that it
-# pushed again would race them.
-@pytest.mark.parametrize("update", ["sync", "async"])
-def test_a_killed_worker_rejoins_the_running_job(tmp_path, update):
-    bound = ["update.max_staleness=4"] if update == "async" else []
+MODES = {"sync": ["update=sync"], "async": ["update=async"],
+         "async-bounded": ["update=async", "update.max_staleness=4"]}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_killed_worker_rejoins_the_running_job(tmp_path, mode):
     summary, _ = run_cluster(tmp_path, [
-        f"update={update}", *bound, "cluster.num_workers=3", "train.steps=120",
+        *MODES[mode], "cluster.num_workers=3", "train.steps=120",
         "fault.crash_role=worker", "fault.crash_index=2", "fault.crash_at_step=20"])
     epochs, grew = _rejoined(summary)
     assert summary["steps"] == 120 and summary["restored_from_step"] is None
     assert summary["workers_rejoined"] == 1 and summary["workers_lost"] == 0
-    assert [e["started_again"] for e in epochs] == ["worker2"] and grew
+    assert [e["started_again"] for e in epochs] == ["worker2"]
     assert epochs[0]["rolled_back_to"] is None and 0 < epochs[0]["pause_s"] < 30
-    if update == "sync":  # no round waited for the dead worker until update.timeout_s
+    # It pushed again: certain where the others wait for it (sync rounds; the staleness clock
+    # lets them go at most 4 steps past it). Unbounded async waits for nobody: the survivors
+    # can finish the run while it makes its data, so there it is not asserted.
+    assert grew or mode == "async"
+    if mode == "sync":  # no round waited for the dead worker until update.timeout_s
         assert "update.timeout_s" not in (tmp_path / "logs" / "ps0.log").read_text()
 
 
