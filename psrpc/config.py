@@ -192,6 +192,10 @@ class TrainConfig:
     """Global steps (sync: rounds; async: applied pushes)."""
     batch_size: int = MISSING
     """Per worker (data parallel) or per pipeline replica (model parallel)."""
+    accumulate: int = MISSING
+    """Data parallel: each worker's batch in this many micro-batches, forward and backward one
+    after another, gradients summed before the push (memory of one micro-batch; the same
+    update). 1: the whole batch at once."""
     seed: int = MISSING
     """Seeds the model init, the synthetic data and the sample order."""
     shuffle: bool = MISSING

@@ -107,6 +107,10 @@ def check_values(cfg: Config) -> None:
                 "float32 gradients)")
     require(t.steps >= 1, "train.steps", t.steps, "must be ≥ 1")
     require(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be ≥ 1")
+    require(t.accumulate >= 1 and t.batch_size % t.accumulate == 0, "train.accumulate",
+            t.accumulate, f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
+    require(t.accumulate == 1 or p.name == "data", "train.accumulate", t.accumulate,
+            "is for parallel=data; a pipeline splits its batch with parallel.microbatches")
     require(t.log_every >= 1, "train.log_every", t.log_every, "must be ≥ 1")
     require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be ≥ 0")
     require(t.nonfinite_patience >= 0, "train.nonfinite_patience", t.nonfinite_patience,

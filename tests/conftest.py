@@ -33,13 +33,24 @@ CPU = "train.device=cpu"
 SHM = os.environ.get("PSRPC_TEST_SHM")
 
 
+# One intra-op thread per worker unless a test chooses: a GEMM's rounding depends on how many
+# threads split it, so the exact comparisons across numbers of workers (W × B against one worker
+# accumulating W micro-batches of B) compare runs whose workers use the same count. (By default
+# a worker takes its host's cores divided among the workers on it: 2 with W=1, 1 with W=2 here.)
+THREADS = "cluster.worker_threads=1"
+
+
 def on_cpu(overrides) -> list[str]:
-    """`overrides`, plus train.device=cpu unless they choose a device (and cluster.shm when
-    PSRPC_TEST_SHM says)."""
+    """`overrides`, plus train.device=cpu and one thread per worker (THREADS) unless they
+    choose a device (or the threads), and cluster.shm when PSRPC_TEST_SHM says."""
     overrides = list(overrides)
     if SHM and not any(o.startswith("cluster.shm=") for o in overrides):
         overrides.append(f"cluster.shm={SHM}")
-    return overrides if any(o.startswith("train.device=") for o in overrides) else overrides + [CPU]
+    if any(o.startswith("train.device=") for o in overrides):
+        return overrides
+    if not any(o.startswith("cluster.worker_threads=") for o in overrides):
+        overrides.append(THREADS)
+    return overrides + [CPU]
 
 
 def compose(overrides=(), check: bool = True, **factories):

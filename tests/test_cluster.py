@@ -1,10 +1,18 @@
-"""Real clusters over RPC (local launcher, CPU): the exactness contracts. Bit for bit: the
-number of PS, async with one worker vs sync, reruns. Up to float rounding: W workers of batch B
-vs one worker of batch W·B (a mean of means sums in another order)."""
+"""Real clusters over RPC (local launcher, CPU): the exactness contracts, each bit for bit
+because both sides do the same operations in the same order (so it holds on any CPU, whatever
+its kernels): the number of PS, async with one worker vs sync, reruns, and W workers of batch B
+against one worker accumulating W micro-batches of B (train.accumulate: the micro-batches'
+gradients summed in the order a sync round sums its workers' and divided as it divides).
+
+Against one worker taking the W·B samples in one pass the contract is approximate: one GEMM
+over W·B rows rounds differently from W GEMMs over B, and with ReLUs a rounding can move a
+pre-activation across zero and the difference grows to a learning-rate step (measured: 5.7e-4
+on an AVX2 CPU after 20 steps of mlp). No tolerance can be justified there; the approximate
+contract is checked on a smooth model instead (tests/test_user_models.py)."""
 
 import pytest
 
-from tests.conftest import assert_equal_model, assert_same_model, models_differ, run_cluster
+from tests.conftest import assert_equal_model, models_differ, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,10 +24,18 @@ def reference(tmp_path_factory):
                        ["cluster.num_workers=1", "train.batch_size=32"])
 
 
-def test_sync_w2_b16_equals_w1_b32(tmp_path, reference):
-    summary, state = run_cluster(tmp_path, ["cluster.num_workers=2", "train.batch_size=16"])
-    assert summary["steps"] == 20 and summary["samples"] == 20 * 32
-    assert_same_model(state, reference[1])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_sync_w_workers_equal_one_worker_accumulating_w_micro_batches(tmp_path, workers):
+    """W × B = 1 × (W micro-batches of B), bit for bit; W=3: the sums' order matters."""
+    batch = 48 // workers
+    many = run_cluster(tmp_path / "many", [f"cluster.num_workers={workers}",
+                                           f"train.batch_size={batch}"])
+    one = run_cluster(tmp_path / "one", ["cluster.num_workers=1",
+                                         f"train.batch_size={batch * workers}",
+                                         f"train.accumulate={workers}"])
+    assert many[0]["samples"] == one[0]["samples"] == 20 * 48
+    assert_equal_model(many[1], one[1])
+    assert many[0]["final_loss"] == one[0]["final_loss"]
 
 
 def test_w1_b16_differs_from_w1_b32(tmp_path, reference):

@@ -35,7 +35,8 @@ from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.dynamic import DynamicParts, check_counts, dynamic_tables, process_memory
 from psrpc.sparse.optim import build_sparse_optimizer, sparse_hyper
-from psrpc.sparse.rows import HashPartition, Partition, TableSpec, init_rows, table_seed
+from psrpc.sparse.rows import (HashPartition, Partition, TableSpec, init_rows, mean_rows,
+                               table_seed)
 
 log = logging.getLogger(__name__)
 _EMPTY = torch.empty(0)
@@ -254,15 +255,10 @@ class TableShard(DynamicParts, Shard):
             whose = [w for w, p in zip(workers or [], payloads) if name in p]
             if not parts:
                 continue
-            rows = torch.cat([p[0] for p in parts])
-            grads = torch.cat([p[1] for p in parts])
-            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-            summed = grads.new_zeros(unique.numel(), grads.shape[1])
-            summed.index_add_(0, inverse, grads)
-            out[name] = (unique, summed.div_(len(payloads)))
-            if name in self.dynamic:  # how many times each id was named: summed, not averaged
-                counts = torch.zeros(unique.numel(), dtype=torch.int64)
-                out[name] += (counts.index_add_(0, inverse, torch.cat([p[2] for p in parts])),)
+            *mean, inverse = mean_rows(parts, len(payloads))
+            out[name] = tuple(mean)
+            if name in self.dynamic:  # (counts: summed, not averaged)
+                unique = mean[0]
                 known = [self.dynamic.positions(w, name, p[0]) for w, p in zip(whose, parts)]
                 if whose and all(k is not None for k in known):
                     pos = np.empty(unique.numel(), dtype=np.int64)

@@ -325,3 +325,22 @@ def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torc
     summed = grads.new_zeros(unique.numel(), *grads.shape[1:])
     summed.index_add_(0, inverse, grads)
     return unique, summed
+
+
+def mean_rows(parts: list[tuple], divisor: int) -> tuple:
+    """The mean of several gradients of one table: `parts` = [(unique rows, (U, dim) grads[,
+    counts])], in order; returns (unique rows ascending, the sums divided by `divisor`[, the
+    summed counts], inverse): every part's rows, duplicates summed in the parts' order. The PS
+    averages a sync round's pushes with it, and a worker its micro-batches (train.accumulate),
+    so one worker accumulating W micro-batches gives the bits of W workers. `inverse` maps the
+    concatenated rows of `parts` to the result's."""
+    grads = torch.cat([p[1] for p in parts])
+    unique, inverse = torch.unique(torch.cat([p[0] for p in parts]), sorted=True,
+                                   return_inverse=True)
+    summed = grads.new_zeros(unique.numel(), *grads.shape[1:])
+    summed.index_add_(0, inverse, grads)  # (on CPU in input order: see coalesce)
+    out = (unique, summed.div_(divisor))
+    if len(parts[0]) > 2:  # a dynamic table's: how many times each id was named, summed
+        counts = torch.zeros(unique.numel(), dtype=torch.int64)
+        out += (counts.index_add_(0, inverse, torch.cat([p[2] for p in parts])),)
+    return out + (inverse,)

@@ -25,12 +25,14 @@ from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.config import Config
 from psrpc.factories import Data
+from psrpc.sparse.rows import mean_rows
 from psrpc.sparse.tables import find_tables
 from psrpc.worker import rng
 from psrpc.worker.allreduce import DenseAllReduce
 from psrpc.worker.cache import RowCache
 from psrpc.worker.client import ShardClient
 from psrpc.worker.flat import FlatModel
+from psrpc.worker.loader import split_batch
 from psrpc.worker.plan import Plan
 from psrpc.worker.replica import Replica, await_change, load_buffers, model_buffers
 from psrpc.worker.rows import RowClient
@@ -61,9 +63,11 @@ class Worker(Replica):
         # Pulls ahead of time: with a staleness bound of a step or more, dense all-reduce and
         # sync rounds, step t+1 is computed while step t's round is under way, on rows read
         # at t (see `run`). Buffers (BatchNorm) would take t+1's batch before the chief saves
-        # step t+1's: such models step one at a time.
+        # step t+1's: such models, and micro-batches (train.accumulate), step one at a time.
+        self.accumulate = cfg.train.accumulate
         self.pipelined = bool(self.tables) and self.allreduce is not None and self.sync \
-            and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model)
+            and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model) \
+            and self.accumulate == 1
         if self.tables:
             self.rows = self._row_client(plan)
             sp = cfg.sparse
@@ -138,17 +142,20 @@ class Worker(Replica):
 
     def compute(self, step: int, versions: list[int]) -> "_Work":
         """`step`'s forward and backward; the dense shards' pushes go out as backward fills
-        them, the tables' and the clock's wait for `push`."""
+        them, the tables' and the clock's wait for `push`. With train.accumulate=k the batch
+        goes through in k micro-batches, each as worker index·k+m of a cluster of W·k workers
+        of batch B/k would take it (its rows, its random draws), and their gradients are
+        averaged as a sync round averages W·k workers' (summed in order, divided by k; the
+        tables' by the PS's own function): one worker accumulating k micro-batches of B gives
+        the bits of k workers of B."""
         x, y = self.batches.get(step)
-        rng.seed_all(rng.step_seed(self.cfg.train.seed, self.replica, step))
+        parts = self.accumulate
         self.flat.zero_grad()
         self.flat.ready()
         if self.allreduce is not None:
             self.allreduce.abandon()  # what a failed step left
-        loss = self.forward_loss(self.model, x, y)
-        value = loss.item()
         futures: list = [None] * len(versions)
-        ticket = None
+        ticket, value = None, 0.0
 
         def push(k: int) -> None:  # once shard k's gradient is on the host (at once on CPU)
             if self.allreduce is not None:  # (all-reduced among the workers instead)
@@ -158,17 +165,28 @@ class Worker(Replica):
                 k, self.client.push_one(k, versions[k], g, value, self.batch, ticket)))
 
         # Every gradient is needed before the first push for a NaN injection, the clock's
-        # ticket (bounded staleness) and clipping by norm; otherwise shards go out as backward
-        # fills them.
+        # ticket (bounded staleness), clipping by norm and the mean of micro-batches;
+        # otherwise shards go out as backward fills them.
         nan = self.faults.nan_due(versions[0])  # fault.* count global steps
         clip = self.cfg.train.clip_grad_norm
-        overlap = not (nan or self.bounded or clip)
-        if overlap:
-            self.flat.arm(push)
+        overlap = not (nan or self.bounded or clip or parts > 1)
         self.faults.before_backward(versions[0])
-        loss.backward()
+        losses, table_parts = [], []
+        for m, (xm, ym) in enumerate(split_batch((x, y), parts) if parts > 1 else [(x, y)]):
+            rng.seed_all(rng.step_seed(self.cfg.train.seed, self.replica * parts + m, step))
+            loss = self.forward_loss(self.model, xm, ym)
+            losses.append(loss.item())
+            if overlap:
+                value = losses[0]
+                self.flat.arm(push)
+            loss.backward()
+            table_parts.append(self.table_gradients())
         rest = self.flat.disarm() if overlap else list(range(len(self.flat.params)))
-        table_grads = self.table_gradients()
+        value = sum(losses) / parts  # (as a round averages its workers' losses)
+        table_grads = table_parts[0] if parts == 1 else _mean_of_parts(table_parts)
+        if parts > 1:
+            for g in self.flat.all_grads():
+                g.div_(parts)  # (as the PS's average and the all-reduce divide)
         if nan:
             self.faults.corrupt(versions[0], self.flat.all_grads() + [g[1] for g in
                                                                table_grads.values()])
@@ -342,6 +360,11 @@ class _Work:
         self.ticket, self.table_grads = ticket, table_grads or {}
         self.ahead: Optional[dict] = None
         self.finite = True
+
+
+def _mean_of_parts(parts: list[dict]) -> dict:
+    """{table: (rows, mean gradient[, counts])} of the micro-batches' table gradients."""
+    return {name: mean_rows([p[name] for p in parts], len(parts))[:-1] for name in parts[0]}
 
 
 class _Grad:

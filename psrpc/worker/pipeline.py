@@ -48,6 +48,15 @@ from psrpc.worker.replica import AMP_DTYPES, Replica, load_buffers, model_buffer
 _NO_PARAMS = torch.empty(0)
 
 
+def _own_threads(grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Give the calling thread the process's intra-op thread count (torch.set_num_threads,
+    cluster.worker_threads). torch applies it to a thread lazily, when the thread first asks:
+    until then an RPC thread's GEMMs run with OpenMP's and MKL's defaults (every core), which
+    oversubscribes the host and rounds differently from the worker's own thread count."""
+    torch.get_num_threads()  # (the ask)
+    return grad
+
+
 class Stage:
     """Layers [a, b) of the model on one worker, with their flat buffers and shard client."""
 
@@ -128,7 +137,10 @@ class Stage:
         no copy), so distributed autograd keeps one gradient per micro-batch and `push` sums
         them in micro-batch order. Left to itself it would sum them into one tensor in whatever
         order the concurrent backward passes arrive: rounding that differs run to run, and is
-        enough to move a ReLU input across zero and change the trained model."""
+        enough to move a ReLU input across zero and change the trained model.
+        The forward and (through a hook on its output) the backward run in RPC threads, which
+        take the process's intra-op thread count only once they ask for it (`_own_threads`)."""
+        _own_threads()
         with self.compute_lock:
             leaves = {n: p.detach().requires_grad_() for n, p in self.named}
             self._leaves[micro] = list(leaves.values())
@@ -136,6 +148,8 @@ class Stage:
                                 dtype=getattr(torch, self.autocast or "float32"),
                                 enabled=self.autocast is not None):
                 y = functional_call(self.module, leaves, (to_device(x, self.device),))
+            if y.requires_grad:
+                y.register_hook(_own_threads)
             return to_device(y, torch.device("cpu"))
 
     @comm.async_execution
