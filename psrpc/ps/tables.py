@@ -10,7 +10,8 @@ their gradients (`push_pull` with {table: (local rows, gradients)}).
 It is a `Shard` in every other respect: the same version (one per global step, in step with the
 dense shards), the same sync rounds and async rules (the aggregator sums the round's row
 gradients in worker order and divides by the number of gradients, TensorFlow's
-SparseConditionalAccumulator averaging, so that sync W × B equals 1 × W·B), the same checks,
+SparseConditionalAccumulator averaging: `mean_rows`, which a worker accumulating micro-batches
+uses too), the same checks,
 non-finite handling, freezing and step-consistent checkpoints. Every table is stepped once per
 update even when the update touched none of its rows (LazyAdam's bias correction counts steps:
 the result must not depend on how rows are spread over servers).

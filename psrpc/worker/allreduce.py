@@ -8,7 +8,8 @@ either order, so W=2 gives the bits a PS gives). The worker then pushes an empty
 its loss to the clock shard, which keeps the global step, the barrier, and every counter and
 hook that hangs on them. Once the clock's reply says the round was applied, each worker steps
 its own optimizer (the PS's, by the same learning-rate schedule): every replica stays
-identical, and W workers of batch B still make the updates of one worker of batch W·B.
+identical, and W workers of batch B still make the updates of one worker accumulating W
+micro-batches of B.
 
 A membership epoch forms a new process group (the old one's members are gone); the chief hands
 every worker the dense state of its replica with the epoch's plan, brought to the step the

@@ -6,7 +6,8 @@ buffers); one `push_pull` per shard, all in flight at once (each as soon as back
 it); copy the returned parameters in.
 
 The data step: in sync, the global step (shard 0's version), so a resumed or stale worker always
-knows where it is and W workers of batch B see exactly what one worker of batch W·B sees. In
+knows where it is and W workers of batch B see exactly what one worker of batch W·B sees (and
+with train.accumulate=W, compute exactly what it computes). In
 async, each worker walks the global batches at its own pace: its n-th push takes its slice of
 global batch start/W + n (start: the step training resumed from), so its batches can be loaded
 ahead and do not depend on timing; with one worker this is the global step again.
