@@ -25,7 +25,6 @@ After each run:
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -38,9 +37,9 @@ from typing import Callable, Optional
 
 import psutil
 
-from benchmarks.common import ROOT, bench_config, header, write_results
+from benchmarks.chaos_faults import FAULTS, TIMEOUT_S, Run
+from benchmarks.common import bench_config, header, write_results
 from psrpc import checkpoint
-from psrpc.cluster import shm
 
 MODES = {
     "sync": ["update=sync"],
@@ -48,235 +47,9 @@ MODES = {
     "async": ["update=async"],
     "async-bounded": ["update=async", "update.max_staleness=2"],
 }
-TIMEOUT_S = 3.0  # update.timeout_s of every run: a SIGSTOP past it must not stall the others
 COMMON = ["model=cnn", "data.size=2048", "data.test_size=256", "train.batch_size=16",
           "train.log_every=1", "train.warmup_steps=1", "checkpoint.every_steps=10",
           f"update.timeout_s={TIMEOUT_S}", "cluster.init_timeout_s=60", "train.device=cpu"]
-
-
-class Run:
-    """One `python -m psrpc` in a process group of its own, watched from outside."""
-
-    def __init__(self, folder: Path, overrides: list[str], steps: int):
-        self.folder, self.steps = folder, steps
-        self.out, self.ck = folder / "out", folder / "ck"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.stderr_path = folder / "stderr.txt"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "psrpc", *overrides, f"train.steps={steps}",
-             f"checkpoint.dir={self.ck}", f"out_dir={self.out}"],
-            cwd=folder, stdout=subprocess.DEVNULL, stderr=open(self.stderr_path, "w"),
-            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self.sid = self.proc.pid
-        self.started = time.monotonic()
-
-    def step(self) -> int:
-        """The last global step the chief logged (metrics.jsonl, one record a step)."""
-        try:
-            with open(self.out / "metrics.jsonl", "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
-                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln]
-        except OSError:
-            return 0
-        for line in reversed(lines):
-            try:
-                return int(json.loads(line).get("step", 0))
-            except (ValueError, AttributeError):
-                continue
-        return 0
-
-    def ranks(self) -> dict[str, psutil.Process]:
-        """name (psrpc-ps0, psrpc-worker1, ...) -> process, of this run only."""
-        found = {}
-        try:
-            for p in psutil.Process(self.proc.pid).children(recursive=True):
-                try:
-                    name = p.name()
-                except psutil.Error:
-                    continue
-                if name.startswith("psrpc-"):
-                    found[name[len("psrpc-"):]] = p
-        except psutil.Error:
-            pass
-        return found
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait_for(self, cond: Callable[[], bool], timeout_s: float, every_s: float = 0.02) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.alive():
-            if cond():
-                return True
-            time.sleep(every_s)
-        return cond()
-
-    def signal(self, names: list[str], sig: int) -> list[str]:
-        """Send `sig` to these ranks at once; the names it reached."""
-        ranks, hit = self.ranks(), []
-        for n in names:
-            p = ranks.get(n)
-            if p is not None:
-                try:
-                    p.send_signal(sig)
-                    hit.append(n)
-                except psutil.Error:
-                    pass
-        return hit
-
-    def session(self) -> list[psutil.Process]:
-        """Every live process of this run's session (the launcher's, its helpers', the ranks')."""
-        left = []
-        for p in psutil.process_iter():
-            try:
-                if p.pid != os.getpid() and os.getsid(p.pid) == self.sid and p.status() != \
-                        psutil.STATUS_ZOMBIE:
-                    left.append(p)
-            except (psutil.Error, OSError):
-                continue
-        return left
-
-    def segments(self) -> list[str]:
-        return sorted(p.name for p in shm.SHM_DIR.glob(f"psrpc-{self.proc.pid}x*"))
-
-    def kill_all(self) -> None:
-        try:
-            os.killpg(self.sid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-# -- the faults --------------------------------------------------------------------------------
-# Each takes the run, the schedule's Random and its topology; returns what it did (for the
-# report) and whether the run can still finish all its steps (True), cannot (False), or may
-# either finish or end with a line naming the cause (None).
-
-def _at_step(run: Run, rnd: random.Random) -> int:
-    k = rnd.randint(15, run.steps - 40)
-    run.wait_for(lambda: run.step() >= k, 60)
-    return run.step()
-
-
-def _recoverable(run: Run, victims) -> bool:
-    """Whether the run can still finish after `victims` die: a PS's shards roll back to the
-    last committed checkpoint, so a PS lost before the first commit ends the run (with a line
-    saying so, which is right); workers rejoin, and the chief's group restarts from a
-    checkpoint or from scratch."""
-    if not any(str(v).startswith("ps") for v in victims):
-        return True
-    return any((f / checkpoint.MANIFEST).exists() for _, f in checkpoint.steps_on_disk(run.ck))
-
-
-def _workers(P: int, W: int, chief: bool = False) -> list[str]:
-    return [f"worker{i}" for i in range(0 if chief else 1, W)]
-
-
-def kill_worker(run, rnd, P, W):
-    victim = rnd.choice(_workers(P, W))
-    at = _at_step(run, rnd)
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} at step {at}", True
-
-
-def kill_chief(run, rnd, P, W):
-    at = _at_step(run, rnd)
-    return f"SIGKILL {run.signal(['worker0'], signal.SIGKILL)} at step {at}", True
-
-
-def kill_ps(run, rnd, P, W):
-    victim = f"ps{rnd.randrange(P)}"
-    at = _at_step(run, rnd)
-    can = _recoverable(run, [victim]) or None
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} at step {at}", can
-
-
-def kill_two(run, rnd, P, W):
-    pool = [f"ps{k}" for k in range(P)] + _workers(P, W, chief=True)
-    victims = rnd.sample(pool, 2)
-    at = _at_step(run, rnd)
-    can = _recoverable(run, victims) or None
-    return f"SIGKILL {run.signal(victims, signal.SIGKILL)} together at step {at}", can
-
-
-def kill_rejoining(run, rnd, P, W):
-    victim = rnd.choice(_workers(P, W))
-    at = _at_step(run, rnd)
-    first = run.ranks().get(victim)
-    run.signal([victim], signal.SIGKILL)
-    # Its replacement: a new process of the same name; killed again before it has rejoined.
-    run.wait_for(lambda: (p := run.ranks().get(victim)) is not None and p != first, 30, 0.005)
-    again = run.signal([victim], signal.SIGKILL)
-    return f"SIGKILL {victim} at step {at}, again while it rejoined ({bool(again)})", True
-
-
-def stop_past_timeout(run, rnd, P, W):
-    victim = rnd.choice(_workers(P, W, chief=True))
-    at = _at_step(run, rnd)
-    run.signal([victim], signal.SIGSTOP)
-    time.sleep(TIMEOUT_S + 2)
-    run.signal([victim], signal.SIGCONT)
-    return f"SIGSTOP {victim} at step {at} for {TIMEOUT_S + 2:.0f} s, then SIGCONT", True
-
-
-def kill_in_checkpoint(run, rnd, P, W):
-    """A PS killed while a step folder exists without its manifest (files being written)."""
-    victim = f"ps{rnd.randrange(P)}"
-    start = rnd.randint(15, run.steps - 40)
-    run.wait_for(lambda: run.step() >= start, 60)
-
-    def writing() -> bool:
-        for step, folder in checkpoint.steps_on_disk(run.ck):
-            if not (folder / checkpoint.MANIFEST).exists():
-                return True
-        return False
-
-    caught = run.wait_for(writing, 20, 0.001)
-    can = _recoverable(run, [victim]) or None
-    run.signal([victim], signal.SIGKILL)
-    return (f"SIGKILL {victim} at step {run.step()} "
-            f"({'while a checkpoint was being written' if caught else 'no write caught'})"), can
-
-
-def kill_at_startup(run, rnd, P, W):
-    pool = [f"ps{k}" for k in range(P)] + _workers(P, W, chief=True)
-    victim = rnd.choice(pool)
-    run.wait_for(lambda: victim in run.ranks(), 60, 0.005)
-    time.sleep(rnd.uniform(0, 1.5))  # somewhere in its start-up (imports, RPC init, the plan)
-    can = _recoverable(run, [victim]) or None
-    hit = run.signal([victim], signal.SIGKILL)
-    return f"SIGKILL {hit} {run.step()} steps in, during start-up", can
-
-
-def kill_in_eval(run, rnd, P, W):
-    victim = rnd.choice(_workers(P, W) or [f"ps{rnd.randrange(P)}"])
-    run.wait_for(lambda: run.step() >= run.steps, 120)
-    time.sleep(0.2)  # the chief evaluates 20000 test samples now
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} during the final evaluation", True
-
-
-def kill_in_shutdown(run, rnd, P, W):
-    pool = [f"ps{k}" for k in range(P)] + _workers(P, W)
-    victim = rnd.choice(pool)
-    run.wait_for(lambda: (run.out / "summary.json").exists(), 120, 0.005)
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} once summary.json was written", True
-
-
-def kill_launcher(run, rnd, P, W):
-    at = _at_step(run, rnd)
-    try:
-        os.kill(run.proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return f"SIGKILL the launcher at step {at}", False
-
-
-FAULTS: dict[str, Callable] = {
-    "kill_worker": kill_worker, "kill_chief": kill_chief, "kill_ps": kill_ps,
-    "kill_two": kill_two, "kill_rejoining": kill_rejoining,
-    "stop_past_timeout": stop_past_timeout, "kill_in_checkpoint": kill_in_checkpoint,
-    "kill_at_startup": kill_at_startup, "kill_in_eval": kill_in_eval,
-    "kill_in_shutdown": kill_in_shutdown, "truncated_checkpoint": None,
-    "missing_checkpoint_file": None, "full_disk": None, "kill_launcher": kill_launcher,
-}
 
 
 def schedule(seed: int, index: int) -> dict:
