@@ -20,6 +20,9 @@ After each run:
   deaths than cluster.max_*_restarts allow, its launcher alive, room on the disk) finished;
 - no process of its session, and no /dev/shm segment of its run, is left;
 - its newest committed checkpoint loads (checkpoint.find_latest returns that step).
+A schedule whose fault did not happen (its victim was not running, the moment it waits for
+never came, no tmpfs could be mounted...) reads "not delivered", with the reason, and is no
+pass: the campaign exits 1 and names it for a replay, as it does a broken invariant.
 """
 
 from __future__ import annotations
@@ -70,14 +73,17 @@ def overrides(s: dict) -> list[str]:
                                     f"cluster.num_workers={s['num_workers']}"]
 
 
-def _damage_checkpoint(folder: Path, s: dict, steps: int, how: str) -> str:
-    """A previous run to 30 steps, then its newest shard file truncated or removed."""
+def _damage_checkpoint(folder: Path, s: dict, steps: int, how: str) -> tuple[str, bool]:
+    """A previous run to 30 steps, then its newest shard file truncated or removed; (what was
+    done, whether it was: not where that run left no checkpoint, which is said, with its last
+    lines, and the run is then an ordinary one)."""
     first = Run(folder / "before", overrides(s), 30)
     first.proc.wait(timeout=120)
-    if not first.ck.is_dir():  # the schedule cannot be run: say why, not FileNotFoundError
+    if not checkpoint.steps_on_disk(first.ck):
         tail = first.stderr_path.read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"the run before the damage (30 steps) left no checkpoint (exit "
-                           f"{first.proc.returncode}): " + " | ".join(tail))
+        return (f"the run before the damage (30 steps) left no checkpoint (exit "
+                f"{first.proc.returncode}): " + " | ".join(tail) + "; the run is an ordinary "
+                "one", False)
     shutil.move(str(first.ck), str(folder / "ck"))
     newest = checkpoint.steps_on_disk(folder / "ck")[0][1]
     victim = newest / "shard-0.pt"
@@ -85,7 +91,7 @@ def _damage_checkpoint(folder: Path, s: dict, steps: int, how: str) -> str:
         victim.write_bytes(victim.read_bytes()[:-64])
     else:
         victim.unlink()
-    return f"{how} {victim.relative_to(folder)} before the run"
+    return f"{how} {victim.relative_to(folder)} before the run", True
 
 
 def _tiny_disk(folder: Path) -> Optional[Path]:
@@ -101,12 +107,13 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
     folder = root / f"s{s['index']:03d}"
     folder.mkdir(parents=True)
     rnd = random.Random(s["rng"])
-    did, can_finish, mounted = "", True, None
+    did, can_finish, delivered, mounted = "", True, True, None
     if s["fault"] in ("truncated_checkpoint", "missing_checkpoint_file"):
-        did = _damage_checkpoint(folder, s, steps,
-                                 "truncate" if s["fault"] == "truncated_checkpoint" else "remove")
+        did, delivered = _damage_checkpoint(
+            folder, s, steps, "truncate" if s["fault"] == "truncated_checkpoint" else "remove")
     if s["fault"] == "full_disk":
         mounted = _tiny_disk(folder)
+        delivered = mounted is not None
         did = ("checkpoint.dir on a 200 KB tmpfs" if mounted else
                "no tmpfs could be mounted here: the run is an ordinary one")
         can_finish = None  # either finishes (saves fail and are logged) or names the cause
@@ -114,7 +121,7 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
     try:
         fn = FAULTS[s["fault"]]
         if fn is not None:
-            did, can_finish = fn(run, rnd, s["num_ps"], s["num_workers"])
+            did, can_finish, delivered = fn(run, rnd, s["num_ps"], s["num_workers"])
         try:
             run.proc.wait(timeout=max(1.0, bound_s - (time.monotonic() - run.started)))
             hang = False
@@ -125,7 +132,7 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
         wall = time.monotonic() - run.started
         row = {**{k: s[k] for k in ("index", "mode", "num_ps", "num_workers", "fault")},
                "did": did, "wall_s": round(wall, 1), "exit": run.proc.returncode}
-        row.update(_check(run, hang, can_finish))
+        row.update(_check(run, hang, can_finish, delivered))
     finally:
         run.kill_all()
         if mounted is not None:
@@ -133,7 +140,10 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
     return row
 
 
-def _check(run: Run, hang: bool, can_finish: Optional[bool]) -> dict:
+def _check(run: Run, hang: bool, can_finish: Optional[bool], delivered: bool = True) -> dict:
+    """How the run ended and what it broke. `outcome` is how it ended, or "not delivered"
+    where its fault did not happen (`ended` keeps how it ended then): such a schedule tested
+    nothing, so it is no pass (`ok`) even with every invariant kept (`problems` empty)."""
     problems = []
     summary = None
     if (run.out / "summary.json").exists():
@@ -176,10 +186,11 @@ def _check(run: Run, hang: bool, can_finish: Optional[bool]) -> dict:
         if not loads:
             problems.append(f"the newest committed checkpoint (step {max(committed)}) does not "
                             "load")
-    return {"outcome": outcome, "steps": steps, "could_finish": can_finish,
+    return {"outcome": outcome if delivered else "not delivered", "ended": outcome,
+            "delivered": delivered, "steps": steps, "could_finish": can_finish,
             "newest_checkpoint": max(committed) if committed else None,
             "checkpoint_loads": loads, "processes_left": len(left), "segments_left": len(segs),
-            "ok": not problems, "problems": "; ".join(problems), "cause": cause}
+            "ok": delivered and not problems, "problems": "; ".join(problems), "cause": cause}
 
 
 def _name(p: psutil.Process) -> str:
@@ -190,7 +201,9 @@ def _name(p: psutil.Process) -> str:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One line per fault: how its schedules ended."""
+    """One line per fault: how its schedules ended. `passed`: delivered and every invariant
+    kept; a schedule whose fault was not delivered counts under `not_delivered` only (its hang
+    or broken invariant, if any, too)."""
     out = []
     for fault in FAULTS:
         mine = [r for r in rows if r["fault"] == fault]
@@ -198,20 +211,22 @@ def summarize(rows: list[dict]) -> list[dict]:
             continue
         count = lambda cond: sum(1 for r in mine if cond(r))  # noqa: E731
         out.append({"fault": fault, "schedules": len(mine),
+                    "passed": count(lambda r: r["ok"]),
                     "finished": count(lambda r: r["outcome"] == "finished"),
                     "clear_error": count(lambda r: r["outcome"] == "error"),
                     "launcher_killed": count(lambda r: r["outcome"] == "killed"),
-                    "hangs": count(lambda r: r["outcome"] == "hang"),
+                    "not_delivered": count(lambda r: r["outcome"] == "not delivered"),
+                    "hangs": count(lambda r: r.get("ended", r["outcome"]) == "hang"),
                     "left_behind": count(lambda r: r["processes_left"] or r["segments_left"]),
                     "checkpoint_fails": count(lambda r: r["checkpoint_loads"] is False),
-                    "violations": count(lambda r: not r["ok"]),
+                    "violations": count(lambda r: bool(r["problems"])),
                     "mean_wall_s": round(sum(r["wall_s"] for r in mine) / len(mine), 1)})
     return out
 
 
 def _plot(plt, rows):
     fig, ax = plt.subplots(figsize=(9, 4))
-    kinds = ["finished", "clear_error", "launcher_killed", "hangs"]
+    kinds = ["finished", "clear_error", "launcher_killed", "not_delivered", "hangs"]
     left = [0] * len(rows)
     for kind in kinds:
         vals = [r[kind] for r in rows]
@@ -224,11 +239,31 @@ def _plot(plt, rows):
     return fig
 
 
+def report(rows: list[dict], seed: int, total_s: float) -> str:
+    """The campaign's verdict in a paragraph: what broke, what was never delivered, and how
+    to replay either."""
+    bad = [r["index"] for r in rows if r["problems"]]
+    missed = [r["index"] for r in rows if not r["delivered"]]
+    replay = lambda xs: f" (replay: only=[{','.join(map(str, xs))}])" if xs else ""  # noqa: E731
+    return (f"{len(rows)} schedules (seed {seed}) in {total_s / 60:.1f} min, "
+            f"{sum(r['ok'] for r in rows)} passed: "
+            f"{sum(r['ended'] == 'hang' for r in rows)} hangs, "
+            f"{sum(r['processes_left'] + r['segments_left'] > 0 for r in rows)} runs left "
+            f"processes or segments, {sum(r['checkpoint_loads'] is False for r in rows)} "
+            f"newest committed checkpoints that do not load, "
+            f"{sum(1 for r in rows if r['could_finish'] and r['ended'] != 'finished')} runs "
+            f"that could finish and did not; {len(bad)} schedules broke an invariant"
+            + replay(bad) + f"; {len(missed)} schedules' faults were not delivered (no pass: "
+            "they tested nothing)" + replay(missed) + ". Every schedule: `results.json` "
+            "(`rows`: what it did, how it ended, what was checked).")
+
+
 def campaign(schedules: list[dict], steps: int, bound_s: float,
              log: Callable[[str], None] = print, keep: Optional[Path] = None,
              keep_all: bool = False) -> list[dict]:
-    """Run the schedules; a schedule that breaks an invariant (every schedule with
-    `keep_all`) keeps its logs and stderr under `keep`/s<index> (for the replay's diagnosis)."""
+    """Run the schedules; a schedule that breaks an invariant or whose fault was not delivered
+    (every schedule with `keep_all`) keeps its logs and stderr under `keep`/s<index> (for the
+    replay's diagnosis)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="psrpc-chaos-") as tmp:
         for s in schedules:
@@ -238,9 +273,12 @@ def campaign(schedules: list[dict], steps: int, bound_s: float,
                 folder = Path(tmp) / f"s{s['index']:03d}"
                 shutil.copytree(folder, keep / folder.name, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("*.pt", "tensorboard"))
+            verdict = "; ".join(
+                (["NOT DELIVERED"] if not row["delivered"] else [])
+                + ([f"VIOLATION: {row['problems']}"] if row["problems"] else [])) or "ok"
             log(f"[{s['index']:3d}] {s['mode']:13s} P={s['num_ps']} W={s['num_workers']} "
                 f"{s['fault']:24s} {row['outcome']:8s} {row['wall_s']:6.1f} s "
-                f"{'ok' if row['ok'] else 'VIOLATION: ' + row['problems']}  ({row['did']})")
+                f"{verdict}  ({row['did']})")
     return rows
 
 
@@ -254,23 +292,13 @@ def main(argv: list[str]) -> None:
                     keep_all=opts.keep_all)
     total = time.monotonic() - t0
     per_fault = summarize(rows)
-    bad = [r for r in rows if not r["ok"]]
-    notes = (f"{len(rows)} schedules (seed {opts.seed}) in {total / 60:.1f} min: "
-             f"{sum(r['outcome'] == 'hang' for r in rows)} hangs, "
-             f"{sum(r['processes_left'] + r['segments_left'] > 0 for r in rows)} runs left "
-             f"processes or segments, {sum(r['checkpoint_loads'] is False for r in rows)} "
-             f"newest committed checkpoints that do not load, "
-             f"{sum(1 for r in rows if r['could_finish'] and r['outcome'] != 'finished')} runs "
-             f"that could finish and did not; {len(bad)} schedules broke an invariant"
-             + (f" (replay: only=[{','.join(str(r['index']) for r in bad)}])" if bad else "")
-             + ". Every schedule: `results.json` (`rows`: what it did, how it ended, what was "
-             "checked).")
+    notes = report(rows, opts.seed, total)
     meta["schedules"] = rows
     write_results(Path(opts.out), meta, per_fault, list(per_fault[0]) if per_fault else [],
                   "Fault campaign: every schedule ends, leaves nothing, keeps its checkpoint",
                   plot=_plot, notes=notes)
     print(notes)
-    sys.exit(1 if bad else 0)
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
 
 if __name__ == "__main__":

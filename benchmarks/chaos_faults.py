@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import psutil
 
@@ -55,12 +55,16 @@ class Run:
         return 0
 
     def ranks(self) -> dict[str, psutil.Process]:
-        """name (psrpc-ps0, psrpc-worker1, ...) -> process, of this run only."""
+        """name (psrpc-ps0, psrpc-worker1, ...) -> process, of this run only, alive now (a rank
+        that has exited, a zombie its launcher has not reaped yet included, is none: a signal
+        sent to it would reach nobody)."""
         found = {}
         try:
             for p in psutil.Process(self.proc.pid).children(recursive=True):
                 try:
                     name = p.name()
+                    if p.status() == psutil.STATUS_ZOMBIE:
+                        continue
                 except psutil.Error:
                     continue
                 if name.startswith("psrpc-"):
@@ -117,8 +121,24 @@ class Run:
 
 # -- the faults --------------------------------------------------------------------------------
 # Each takes the run, the schedule's Random and its topology; returns what it did (for the
-# report) and whether the run can still finish all its steps (True), cannot (False), or may
-# either finish or end with a line naming the cause (None).
+# report), whether the run can still finish all its steps (True), cannot (False), or may
+# either finish or end with a line naming the cause (None), and whether the fault happened as
+# scheduled. One that did not (its victim was not running, the run had ended, the moment it
+# waits for never came) says why: that schedule tested nothing and is no pass.
+
+def _result(did: str, can_finish: Optional[bool], missed: str = "") -> tuple:
+    return (did + (f"; not delivered: {missed}" if missed else ""), can_finish, not missed)
+
+
+def _kill(run: Run, victims: list[str], sig: int = signal.SIGKILL) -> tuple[list[str], str]:
+    """Send `sig` to `victims`; (the names it reached, why it missed the others or "")."""
+    hit = run.signal(victims, sig)
+    gone = [v for v in victims if v not in hit]
+    if not gone:
+        return hit, ""
+    return hit, (f"{', '.join(gone)} not running"
+                 + ("" if run.alive() else f" (the run had ended, exit {run.proc.returncode})"))
+
 
 def _at_step(run: Run, rnd: random.Random) -> int:
     k = rnd.randint(15, run.steps - 40)
@@ -136,54 +156,80 @@ def _recoverable(run: Run, victims) -> bool:
     return any((f / checkpoint.MANIFEST).exists() for _, f in checkpoint.steps_on_disk(run.ck))
 
 
+def _committed(run: Run) -> list[int]:
+    return [step for step, f in checkpoint.steps_on_disk(run.ck)
+            if (f / checkpoint.MANIFEST).exists()]
+
+
 def _workers(P: int, W: int, chief: bool = False) -> list[str]:
     return [f"worker{i}" for i in range(0 if chief else 1, W)]
+
+
+def _ps(P: int) -> list[str]:
+    return [f"ps{k}" for k in range(P)]
+
+
+def _alive_one(run: Run, rnd: random.Random, drawn: str, pool: list[str]) -> str:
+    """`drawn` where it is running now, else one of `pool` that is (else `drawn`, to miss)."""
+    live = run.ranks()
+    if drawn in live:
+        return drawn
+    running = [n for n in pool if n in live]
+    return rnd.choice(running) if running else drawn
 
 
 def kill_worker(run, rnd, P, W):
     victim = rnd.choice(_workers(P, W))
     at = _at_step(run, rnd)
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} at step {at}", True
+    hit, missed = _kill(run, [victim])
+    return _result(f"SIGKILL {hit} at step {at}", True, missed)
 
 
 def kill_chief(run, rnd, P, W):
     at = _at_step(run, rnd)
-    return f"SIGKILL {run.signal(['worker0'], signal.SIGKILL)} at step {at}", True
+    hit, missed = _kill(run, ["worker0"])
+    return _result(f"SIGKILL {hit} at step {at}", True, missed)
 
 
 def kill_ps(run, rnd, P, W):
     victim = f"ps{rnd.randrange(P)}"
     at = _at_step(run, rnd)
     can = _recoverable(run, [victim]) or None
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} at step {at}", can
+    hit, missed = _kill(run, [victim])
+    return _result(f"SIGKILL {hit} at step {at}", can, missed)
 
 
 def kill_two(run, rnd, P, W):
-    pool = [f"ps{k}" for k in range(P)] + _workers(P, W, chief=True)
+    pool = _ps(P) + _workers(P, W, chief=True)
     victims = rnd.sample(pool, 2)
     at = _at_step(run, rnd)
     can = _recoverable(run, victims) or None
-    return f"SIGKILL {run.signal(victims, signal.SIGKILL)} together at step {at}", can
+    hit, missed = _kill(run, victims)  # one of the two is another fault: also a miss
+    return _result(f"SIGKILL {hit} together at step {at}", can, missed)
 
 
 def kill_rejoining(run, rnd, P, W):
     victim = rnd.choice(_workers(P, W))
     at = _at_step(run, rnd)
     first = run.ranks().get(victim)
-    run.signal([victim], signal.SIGKILL)
+    _, missed = _kill(run, [victim])
     # Its replacement: a new process of the same name; killed again before it has rejoined.
     run.wait_for(lambda: (p := run.ranks().get(victim)) is not None and p != first, 30, 0.005)
-    again = run.signal([victim], signal.SIGKILL)
-    return f"SIGKILL {victim} at step {at}, again while it rejoined ({bool(again)})", True
+    again, missed_again = _kill(run, [victim])
+    if not missed and missed_again:
+        missed = f"no replacement of {victim} was seen within 30 s"
+    return _result(f"SIGKILL {victim} at step {at}, again while it rejoined ({bool(again)})",
+                   True, missed)
 
 
 def stop_past_timeout(run, rnd, P, W):
     victim = rnd.choice(_workers(P, W, chief=True))
     at = _at_step(run, rnd)
-    run.signal([victim], signal.SIGSTOP)
+    _, missed = _kill(run, [victim], signal.SIGSTOP)
     time.sleep(TIMEOUT_S + 2)
     run.signal([victim], signal.SIGCONT)
-    return f"SIGSTOP {victim} at step {at} for {TIMEOUT_S + 2:.0f} s, then SIGCONT", True
+    return _result(f"SIGSTOP {victim} at step {at} for {TIMEOUT_S + 2:.0f} s, then SIGCONT",
+                   True, missed)
 
 
 def kill_in_checkpoint(run, rnd, P, W):
@@ -200,42 +246,67 @@ def kill_in_checkpoint(run, rnd, P, W):
 
     caught = run.wait_for(writing, 20, 0.001)
     can = _recoverable(run, [victim]) or None
-    run.signal([victim], signal.SIGKILL)
-    return (f"SIGKILL {victim} at step {run.step()} "
-            f"({'while a checkpoint was being written' if caught else 'no write caught'})"), can
+    _, missed = _kill(run, [victim])
+    if not missed and not caught:
+        missed = "no checkpoint write was caught within 20 s (an ordinary PS kill)"
+    return _result(f"SIGKILL {victim} at step {run.step()} "
+                   f"({'while a checkpoint was being written' if caught else 'no write caught'})",
+                   can, missed)
+
+
+STARTUP_S = 0.2  # a rank's start-up here: from its process name to the first step, 0.2-0.25 s
 
 
 def kill_at_startup(run, rnd, P, W):
-    pool = [f"ps{k}" for k in range(P)] + _workers(P, W, chief=True)
-    victim = rnd.choice(pool)
+    """A rank killed in its start-up (imports, RPC init, the plan): before the chief has
+    logged a step; a kill after that is another fault, and says so."""
+    victim = rnd.choice(_ps(P) + _workers(P, W, chief=True))
     run.wait_for(lambda: victim in run.ranks(), 60, 0.005)
-    time.sleep(rnd.uniform(0, 1.5))  # somewhere in its start-up (imports, RPC init, the plan)
+    time.sleep(rnd.uniform(0, STARTUP_S))
     can = _recoverable(run, [victim]) or None
-    hit = run.signal([victim], signal.SIGKILL)
-    return f"SIGKILL {hit} {run.step()} steps in, during start-up", can
+    steps = run.step()
+    hit, missed = _kill(run, [victim])
+    if not missed and steps:
+        missed = f"training had begun ({steps} steps)"
+    return _result(f"SIGKILL {hit} {steps} steps in, during start-up", can, missed)
 
 
 def kill_in_eval(run, rnd, P, W):
-    victim = rnd.choice(_workers(P, W) or [f"ps{rnd.randrange(P)}"])
-    run.wait_for(lambda: run.step() >= run.steps, 120)
+    """A rank killed while the chief evaluates the final model: once the final checkpoint
+    is committed (the chief's last logged step can fall short of train.steps, as in async
+    runs where other workers took the last steps), before summary.json. The victim: a worker
+    other than the chief, drawn first, or a PS or worker running at that moment."""
+    drawn = rnd.choice(_workers(P, W))
+    run.wait_for(lambda: run.step() >= run.steps or max(_committed(run), default=0)
+                 >= run.steps, 120)
     time.sleep(0.2)  # the chief evaluates 20000 test samples now
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} during the final evaluation", True
+    victim = _alive_one(run, rnd, drawn, _workers(P, W) + _ps(P))
+    can = True if victim.startswith("worker") else None
+    over = (run.out / "summary.json").exists()
+    hit, missed = _kill(run, [victim])
+    if not missed and over:
+        missed = "the final evaluation was over (summary.json written)"
+    return _result(f"SIGKILL {hit} during the final evaluation", can, missed)
 
 
 def kill_in_shutdown(run, rnd, P, W):
-    pool = [f"ps{k}" for k in range(P)] + _workers(P, W)
-    victim = rnd.choice(pool)
+    drawn = rnd.choice(_ps(P) + _workers(P, W))
     run.wait_for(lambda: (run.out / "summary.json").exists(), 120, 0.005)
-    return f"SIGKILL {run.signal([victim], signal.SIGKILL)} once summary.json was written", True
+    victim = _alive_one(run, rnd, drawn, _ps(P) + _workers(P, W))
+    hit, missed = _kill(run, [victim])
+    if not (run.out / "summary.json").exists():
+        missed = missed or "no summary.json within 120 s"
+    return _result(f"SIGKILL {hit} once summary.json was written", True, missed)
 
 
 def kill_launcher(run, rnd, P, W):
     at = _at_step(run, rnd)
+    missed = "" if run.alive() else f"the run had ended (exit {run.proc.returncode})"
     try:
         os.kill(run.proc.pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
-    return f"SIGKILL the launcher at step {at}", False
+        missed = missed or "the launcher was gone"
+    return _result(f"SIGKILL the launcher at step {at}", False, missed)
 
 
 FAULTS: dict[str, Callable] = {
