@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_CONF = ROOT / "benchmarks" / "conf"
+BENCH_INSTALL = 'pip install -e ".[bench]"'  # what the plots need (matplotlib), beside the tables
+NO_PLOT = f"matplotlib is not installed: no plot.png, the tables only ({BENCH_INSTALL} adds it)"
 
 
 def bench_config(name: str, argv: list[str]):
@@ -89,12 +91,27 @@ def header() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"# {meta['command']}\n# commit {meta['commit']} on {meta['machine']['cpu']}, "
           f"{meta['machine']['cores']} cores, torch {meta['machine']['torch']}", flush=True)
+    if _pyplot() is None:  # said before the run, not only after it
+        print(f"# {NO_PLOT}", flush=True)
     return meta
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def write_results(out_dir: Path, meta: dict, rows: list[dict], columns: list[str],
                   title: str, plot: Optional[Callable] = None, notes: str = "") -> None:
-    """results.json, results.csv, results.md (table + command + machine) and plot.png."""
+    """results.json, results.csv, results.md (table + command + machine) and plot.png (only
+    where matplotlib is installed: otherwise one line says how to install it)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
@@ -112,12 +129,10 @@ def write_results(out_dir: Path, meta: dict, rows: list[dict], columns: list[str
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
     table = lines[-len(rows) - 2:]
-    if plot is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = _pyplot() if plot is not None else None
+    if plot is not None and plt is None:
+        print(f"# {NO_PLOT}", flush=True)
+    elif plot is not None:
         fig = plot(plt, rows)
         fig.savefig(out_dir / "plot.png", dpi=110, bbox_inches="tight")
         plt.close(fig)

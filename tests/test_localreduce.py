@@ -3,6 +3,7 @@ threads of this process over an in-memory store: the sums and their bits, buffer
 the sockets sent by every rank at once, and the clear errors of a peer that closes, says
 nothing, or sends a bucket of another size. Over real clusters: tests/test_dense_allreduce.py."""
 
+import socket
 import threading
 import time
 
@@ -122,16 +123,47 @@ def test_a_peer_that_closes_ends_the_wait_at_once_naming_it():
 
 
 def test_a_silent_peer_ends_the_wait_after_the_timeout():
+    """...and the error names the timeout as it is set (1.5 s, not a rounded "2 s")."""
     def body(rank, group):
         if rank == 1:
             time.sleep(3)  # alive, sends nothing
             return "silent"
         with pytest.raises(LocalReduceError,
-                           match=r"worker\(s\) \[1\] did not complete it in 1 s"):
+                           match=r"worker\(s\) \[1\] did not complete it in 1\.5 s"):
             group.allreduce([torch.ones(10)]).wait()
         return "timed out"
 
-    assert _ranks(2, body, timeout_s=1.0) == {0: "timed out", 1: "silent"}
+    assert _ranks(2, body, timeout_s=1.5) == {0: "timed out", 1: "silent"}
+
+
+def test_forming_gives_up_at_one_deadline_not_a_timeout_per_socket():
+    """Rank 1 connects half the timeout in and never says who it is: rank 0 gives up
+    timeout_s after it began (the hello's wait gets only the time left), not timeout_s after
+    that connection, and says how long it waited."""
+    store = dist.PrefixStore("t/", dist.HashStore())
+    timeout_s = 1.5
+    out = {}
+
+    def rank0():
+        start = time.monotonic()
+        try:
+            out["result"] = localreduce.form(store, 0, 2, timeout_s)
+        except LocalReduceError as e:
+            out["result"] = e
+        out["waited"] = time.monotonic() - start
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    host, address = store.get("addr/0").decode().split("\n", 1)
+    store.set("addr/1", f"{host}\n\0nowhere")  # on this host, so rank 0 waits to accept it
+    time.sleep(timeout_s / 2)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(address)  # and sends nothing
+    t.join(timeout_s * 4)
+    silent.close()
+    assert isinstance(out.get("result"), LocalReduceError), out
+    assert "timed out after 1.5 s" in str(out["result"])
+    assert out["waited"] < timeout_s + 0.4, out["waited"]  # one deadline, not 0.75 + 1.5 s
 
 
 def test_buckets_of_another_size_are_an_error_not_a_wrong_sum():

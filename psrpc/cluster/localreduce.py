@@ -149,7 +149,7 @@ class LocalGroup:
                 late = sorted(want) or sorted(owed)
                 raise LocalReduceError(
                     f"dense all-reduce: worker(s) {late} did not complete it in "
-                    f"{self.timeout_s:.0f} s (the RPC timeout); a worker is stuck or gone")
+                    f"{self.timeout_s:g} s (the RPC timeout); a worker is stuck or gone")
             for fd, ev in events:
                 p = self._peer[fd]
                 if ev & select.POLLIN and p in want:
@@ -211,7 +211,8 @@ def form(store, rank: int, size: int, timeout_s: float,
          abort=lambda: False) -> Optional[LocalGroup]:
     """This process's LocalGroup over `store` (a prefix of the epoch's), or None everywhere when
     the W processes are not on one host or cannot all reach each other. Gives up (raises) after
-    `timeout_s`, or as soon as `abort()` says the group will never form (a newer epoch)."""
+    `timeout_s` in all (one deadline: each connect and each peer's hello waits only for the
+    time left to it), or as soon as `abort()` says the group will never form (a newer epoch)."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     address = f"\0psrpc-reduce-{os.getpid()}-{secrets.token_hex(8)}"
     server.bind(address)
@@ -225,9 +226,10 @@ def form(store, rank: int, size: int, timeout_s: float,
             return None
         failed = None
         for p in range(rank):  # connect to every lower rank, say who this is
+            left = _time_left(abort, deadline, rank, timeout_s)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.settimeout(timeout_s)
+                s.settimeout(left)
                 s.connect(peers[p][1])
                 _check_peer(s)
                 s.sendall(struct.pack("<Q", rank))
@@ -243,13 +245,13 @@ def form(store, rank: int, size: int, timeout_s: float,
         while len(socks) < size - 1:  # accept every higher rank
             if store.check(["failed"]):
                 return None
-            _give_up_if(abort, deadline, rank)
+            _time_left(abort, deadline, rank, timeout_s)
             try:
                 conn, _ = server.accept()
             except socket.timeout:
                 continue
             try:
-                conn.settimeout(timeout_s)
+                conn.settimeout(_time_left(abort, deadline, rank, timeout_s))
                 _check_peer(conn)  # (another user's connection is dropped, not an error)
                 (p,) = struct.unpack("<Q", _recv_exact(conn, 8))
             except (OSError, LocalReduceError):
@@ -264,7 +266,7 @@ def form(store, rank: int, size: int, timeout_s: float,
         while not store.check(oks):  # every rank connected, or one gave up
             if store.check(["failed"]):
                 return None
-            _give_up_if(abort, deadline, rank)
+            _time_left(abort, deadline, rank, timeout_s)
             time.sleep(0.002)
         for s in socks.values():
             s.setblocking(False)
@@ -276,13 +278,16 @@ def form(store, rank: int, size: int, timeout_s: float,
         server.close()
 
 
-def _give_up_if(abort, deadline: float, rank: int) -> None:
+def _time_left(abort, deadline: float, rank: int, timeout_s: float) -> float:
+    """Seconds left until `deadline`; raises once it has passed or `abort()` says so."""
     if abort():
         raise LocalReduceError("dense all-reduce: a newer membership epoch was announced while "
                                "the group formed")
-    if time.monotonic() > deadline:
-        raise LocalReduceError(f"dense all-reduce: rank {rank} timed out waiting for the other "
-                               "workers to connect")
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise LocalReduceError(f"dense all-reduce: rank {rank} timed out after {timeout_s:g} s "
+                               "waiting for the other workers to connect")
+    return left
 
 
 def _check_peer(sock: socket.socket) -> None:

@@ -1,0 +1,319 @@
+"""The fault campaign's hands (benchmarks/chaos.py runs the schedules and checks them): `Run`,
+one `python -m psrpc` in a process group of its own watched from outside, and the faults it
+delivers to a run (FAULTS), as a scheduler or an operator would."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+
+from benchmarks.common import ROOT
+from psrpc import checkpoint
+from psrpc.cluster import shm
+
+TIMEOUT_S = 3.0  # update.timeout_s of every run: a SIGSTOP past it must not stall the others
+
+
+class Run:
+    """One `python -m psrpc` in a process group of its own, watched from outside."""
+
+    def __init__(self, folder: Path, overrides: list[str], steps: int):
+        self.folder, self.steps = folder, steps
+        self.out, self.ck = folder / "out", folder / "ck"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.stderr_path = folder / "stderr.txt"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "psrpc", *overrides, f"train.steps={steps}",
+             f"checkpoint.dir={self.ck}", f"out_dir={self.out}"],
+            cwd=folder, stdout=subprocess.DEVNULL, stderr=open(self.stderr_path, "w"),
+            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.sid = self.proc.pid
+        self.started = time.monotonic()
+
+    def step(self) -> int:
+        """The last global step the chief logged (metrics.jsonl, one record a step)."""
+        try:
+            with open(self.out / "metrics.jsonl", "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln]
+        except OSError:
+            return 0
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError):
+                continue
+        return 0
+
+    def ranks(self) -> dict[str, psutil.Process]:
+        """name (psrpc-ps0, psrpc-worker1, ...) -> process, of this run only, alive now (a rank
+        that has exited, a zombie its launcher has not reaped yet included, is none: a signal
+        sent to it would reach nobody)."""
+        found = {}
+        try:
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                try:
+                    name = p.name()
+                    if p.status() == psutil.STATUS_ZOMBIE:
+                        continue
+                except psutil.Error:
+                    continue
+                if name.startswith("psrpc-"):
+                    found[name[len("psrpc-"):]] = p
+        except psutil.Error:
+            pass
+        return found
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_for(self, cond: Callable[[], bool], timeout_s: float, every_s: float = 0.02) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.alive():
+            if cond():
+                return True
+            time.sleep(every_s)
+        return cond()
+
+    def signal(self, names: list[str], sig: int) -> list[str]:
+        """Send `sig` to these ranks at once; the names it reached."""
+        ranks, hit = self.ranks(), []
+        for n in names:
+            p = ranks.get(n)
+            if p is not None:
+                try:
+                    p.send_signal(sig)
+                    hit.append(n)
+                except psutil.Error:
+                    pass
+        return hit
+
+    def session(self) -> list[psutil.Process]:
+        """Every live process of this run's session (the launcher's, its helpers', the ranks')."""
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid != os.getpid() and os.getsid(p.pid) == self.sid and p.status() != \
+                        psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except (psutil.Error, OSError):
+                continue
+        return left
+
+    def segments(self) -> list[str]:
+        return sorted(p.name for p in shm.SHM_DIR.glob(f"psrpc-{self.proc.pid}x*"))
+
+    def kill_all(self) -> None:
+        try:
+            os.killpg(self.sid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# -- the faults --------------------------------------------------------------------------------
+# Each takes the run, the schedule's Random and its topology; returns what it did (for the
+# report), whether the run can still finish all its steps (True), cannot (False), or may
+# either finish or end with a line naming the cause (None), and whether the fault happened as
+# scheduled. One that did not (its victim was not running, the run had ended, the moment it
+# waits for never came) says why: that schedule tested nothing and is no pass.
+
+def _result(did: str, can_finish: Optional[bool], missed: str = "") -> tuple:
+    return (did + (f"; not delivered: {missed}" if missed else ""), can_finish, not missed)
+
+
+def _kill(run: Run, victims: list[str], sig: int = signal.SIGKILL) -> tuple[list[str], str]:
+    """Send `sig` to `victims`; (the names it reached, why it missed the others or "")."""
+    hit = run.signal(victims, sig)
+    gone = [v for v in victims if v not in hit]
+    if not gone:
+        return hit, ""
+    return hit, (f"{', '.join(gone)} not running"
+                 + ("" if run.alive() else f" (the run had ended, exit {run.proc.returncode})"))
+
+
+def _at_step(run: Run, rnd: random.Random) -> int:
+    k = rnd.randint(15, run.steps - 40)
+    run.wait_for(lambda: run.step() >= k, 60)
+    return run.step()
+
+
+def _recoverable(run: Run, victims) -> bool:
+    """Whether the run can still finish after `victims` die: a PS's shards roll back to the
+    last committed checkpoint, so a PS lost before the first commit ends the run (with a line
+    saying so, which is right); workers rejoin, and the chief's group restarts from a
+    checkpoint or from scratch."""
+    if not any(str(v).startswith("ps") for v in victims):
+        return True
+    return any((f / checkpoint.MANIFEST).exists() for _, f in checkpoint.steps_on_disk(run.ck))
+
+
+def _committed(run: Run) -> list[int]:
+    return [step for step, f in checkpoint.steps_on_disk(run.ck)
+            if (f / checkpoint.MANIFEST).exists()]
+
+
+def _workers(P: int, W: int, chief: bool = False) -> list[str]:
+    return [f"worker{i}" for i in range(0 if chief else 1, W)]
+
+
+def _ps(P: int) -> list[str]:
+    return [f"ps{k}" for k in range(P)]
+
+
+def _alive_one(run: Run, rnd: random.Random, drawn: str, pool: list[str]) -> str:
+    """`drawn` where it is running now, else one of `pool` that is (else `drawn`, to miss)."""
+    live = run.ranks()
+    if drawn in live:
+        return drawn
+    running = [n for n in pool if n in live]
+    return rnd.choice(running) if running else drawn
+
+
+def kill_worker(run, rnd, P, W):
+    victim = rnd.choice(_workers(P, W))
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, [victim])
+    return _result(f"SIGKILL {hit} at step {at}", True, missed)
+
+
+def kill_chief(run, rnd, P, W):
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, ["worker0"])
+    return _result(f"SIGKILL {hit} at step {at}", True, missed)
+
+
+def kill_ps(run, rnd, P, W):
+    victim = f"ps{rnd.randrange(P)}"
+    at = _at_step(run, rnd)
+    can = _recoverable(run, [victim]) or None
+    hit, missed = _kill(run, [victim])
+    return _result(f"SIGKILL {hit} at step {at}", can, missed)
+
+
+def kill_two(run, rnd, P, W):
+    pool = _ps(P) + _workers(P, W, chief=True)
+    victims = rnd.sample(pool, 2)
+    at = _at_step(run, rnd)
+    can = _recoverable(run, victims) or None
+    hit, missed = _kill(run, victims)  # one of the two is another fault: also a miss
+    return _result(f"SIGKILL {hit} together at step {at}", can, missed)
+
+
+def kill_rejoining(run, rnd, P, W):
+    victim = rnd.choice(_workers(P, W))
+    at = _at_step(run, rnd)
+    first = run.ranks().get(victim)
+    _, missed = _kill(run, [victim])
+    # Its replacement: a new process of the same name; killed again before it has rejoined.
+    run.wait_for(lambda: (p := run.ranks().get(victim)) is not None and p != first, 30, 0.005)
+    again, missed_again = _kill(run, [victim])
+    if not missed and missed_again:
+        missed = f"no replacement of {victim} was seen within 30 s"
+    return _result(f"SIGKILL {victim} at step {at}, again while it rejoined ({bool(again)})",
+                   True, missed)
+
+
+def stop_past_timeout(run, rnd, P, W):
+    victim = rnd.choice(_workers(P, W, chief=True))
+    at = _at_step(run, rnd)
+    _, missed = _kill(run, [victim], signal.SIGSTOP)
+    time.sleep(TIMEOUT_S + 2)
+    run.signal([victim], signal.SIGCONT)
+    return _result(f"SIGSTOP {victim} at step {at} for {TIMEOUT_S + 2:.0f} s, then SIGCONT",
+                   True, missed)
+
+
+def kill_in_checkpoint(run, rnd, P, W):
+    """A PS killed while a step folder exists without its manifest (files being written)."""
+    victim = f"ps{rnd.randrange(P)}"
+    start = rnd.randint(15, run.steps - 40)
+    run.wait_for(lambda: run.step() >= start, 60)
+
+    def writing() -> bool:
+        for step, folder in checkpoint.steps_on_disk(run.ck):
+            if not (folder / checkpoint.MANIFEST).exists():
+                return True
+        return False
+
+    caught = run.wait_for(writing, 20, 0.001)
+    can = _recoverable(run, [victim]) or None
+    _, missed = _kill(run, [victim])
+    if not missed and not caught:
+        missed = "no checkpoint write was caught within 20 s (an ordinary PS kill)"
+    return _result(f"SIGKILL {victim} at step {run.step()} "
+                   f"({'while a checkpoint was being written' if caught else 'no write caught'})",
+                   can, missed)
+
+
+STARTUP_S = 0.2  # a rank's start-up here: from its process name to the first step, 0.2-0.25 s
+
+
+def kill_at_startup(run, rnd, P, W):
+    """A rank killed in its start-up (imports, RPC init, the plan): before the chief has
+    logged a step; a kill after that is another fault, and says so."""
+    victim = rnd.choice(_ps(P) + _workers(P, W, chief=True))
+    run.wait_for(lambda: victim in run.ranks(), 60, 0.005)
+    time.sleep(rnd.uniform(0, STARTUP_S))
+    can = _recoverable(run, [victim]) or None
+    steps = run.step()
+    hit, missed = _kill(run, [victim])
+    if not missed and steps:
+        missed = f"training had begun ({steps} steps)"
+    return _result(f"SIGKILL {hit} {steps} steps in, during start-up", can, missed)
+
+
+def kill_in_eval(run, rnd, P, W):
+    """A rank killed while the chief evaluates the final model: once the final checkpoint
+    is committed (the chief's last logged step can fall short of train.steps, as in async
+    runs where other workers took the last steps), before summary.json. The victim: a worker
+    other than the chief, drawn first, or a PS or worker running at that moment."""
+    drawn = rnd.choice(_workers(P, W))
+    run.wait_for(lambda: run.step() >= run.steps or max(_committed(run), default=0)
+                 >= run.steps, 120)
+    time.sleep(0.2)  # the chief evaluates 20000 test samples now
+    victim = _alive_one(run, rnd, drawn, _workers(P, W) + _ps(P))
+    can = True if victim.startswith("worker") else None
+    over = (run.out / "summary.json").exists()
+    hit, missed = _kill(run, [victim])
+    if not missed and over:
+        missed = "the final evaluation was over (summary.json written)"
+    return _result(f"SIGKILL {hit} during the final evaluation", can, missed)
+
+
+def kill_in_shutdown(run, rnd, P, W):
+    drawn = rnd.choice(_ps(P) + _workers(P, W))
+    run.wait_for(lambda: (run.out / "summary.json").exists(), 120, 0.005)
+    victim = _alive_one(run, rnd, drawn, _ps(P) + _workers(P, W))
+    hit, missed = _kill(run, [victim])
+    if not (run.out / "summary.json").exists():
+        missed = missed or "no summary.json within 120 s"
+    return _result(f"SIGKILL {hit} once summary.json was written", True, missed)
+
+
+def kill_launcher(run, rnd, P, W):
+    at = _at_step(run, rnd)
+    missed = "" if run.alive() else f"the run had ended (exit {run.proc.returncode})"
+    try:
+        os.kill(run.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        missed = missed or "the launcher was gone"
+    return _result(f"SIGKILL the launcher at step {at}", False, missed)
+
+
+FAULTS: dict[str, Callable] = {
+    "kill_worker": kill_worker, "kill_chief": kill_chief, "kill_ps": kill_ps,
+    "kill_two": kill_two, "kill_rejoining": kill_rejoining,
+    "stop_past_timeout": stop_past_timeout, "kill_in_checkpoint": kill_in_checkpoint,
+    "kill_at_startup": kill_at_startup, "kill_in_eval": kill_in_eval,
+    "kill_in_shutdown": kill_in_shutdown, "truncated_checkpoint": None,
+    "missing_checkpoint_file": None, "full_disk": None, "kill_launcher": kill_launcher,
+}
