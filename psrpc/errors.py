@@ -13,6 +13,11 @@ class PushRejected(PsrpcError):
     """A push that a shard refuses (wrong length, dtype, unknown worker, step from the future)."""
 
 
+class TablesExportError(PsrpcError):
+    """An out_dir's tables/ folder that does not hold exactly the files of one finished export:
+    a file missing, one from another run, or a table's rows missing or held by two files."""
+
+
 def require(ok: bool, key: str, value, allowed: str) -> None:
     """Raise a ConfigError naming the key, its value and what is allowed, unless `ok`."""
     if not ok:

@@ -1,6 +1,8 @@
 """Embedding tables on the PS over real RPC (model=dlrm on synthetic click logs): the contracts
 hold for tables as for dense parameters, and the tables can be read back."""
 
+import json
+
 import pytest
 import torch
 
@@ -60,6 +62,22 @@ def test_number_of_ps_and_partition_change_no_bit(tmp_path, reference, layout):
     run = _run(tmp_path, layout + ["cluster.num_workers=1", "train.batch_size=64"])
     assert len(list((tmp_path / "tables").glob("ps*.pt"))) == run[0]["num_ps"]
     _assert_equal(run, reference)
+
+
+def test_a_2_ps_export_over_an_earlier_3_ps_one_loads_the_2_ps_runs_rows(tmp_path, reference):
+    """One out_dir: a 3-PS run of 10 steps, then the reference's run on 2 PS. load_tables gives
+    the second run's rows (the reference's bits: the number of PS changes none), none from the
+    first run's ps2.pt, which the chief removed before the servers wrote this run's files."""
+    one = ["cluster.num_workers=1", "train.batch_size=64"]
+    first = _run(tmp_path, one + ["cluster.num_ps=3", "train.steps=10"])
+    assert first[0]["steps"] == 10 and (tmp_path / "tables" / "ps2.pt").exists()
+    second = _run(tmp_path, one + ["cluster.num_ps=2"])
+    _assert_equal(second, reference)
+    index = json.loads((tmp_path / "tables" / "index.json").read_text())
+    assert index["files"] == ["ps0.pt", "ps1.pt"] and index["num_ps"] == 2
+    assert index["version"] == second[0]["steps"] == 20
+    assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == ["index.json", "ps0.pt",
+                                                                      "ps1.pt"]
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])

@@ -35,13 +35,13 @@ from psrpc.optim.schedule import lr_factor
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.dynamic import DynamicParts, check_counts, dynamic_tables, process_memory
+from psrpc.sparse.export import TABLES_FORMAT, table_file, tables_meta
 from psrpc.sparse.optim import build_sparse_optimizer, sparse_hyper
 from psrpc.sparse.rows import (HashPartition, Partition, TableSpec, init_rows, mean_rows,
                                table_seed)
 
 log = logging.getLogger(__name__)
 _EMPTY = torch.empty(0)
-TABLES_FORMAT = "psrpc-tables-1"
 HISTORY_POINTS = 50  # dynamic tables: rows and memory are recorded this many times a run
 
 
@@ -165,14 +165,17 @@ class TableShard(DynamicParts, Shard):
         with self.lock:
             return self.version, _EMPTY
 
-    def export(self, out_dir: str) -> str:
+    def export(self, out_dir: str, export_id: Optional[str] = None) -> dict:
         """This server's rows of every table, with their global row ids, as
         `out_dir/tables/ps<k>.pt` (written here: a table too large to gather on the chief
-        never crosses the network). psrpc.sparse.load_tables reads them back."""
+        never crosses the network), tagged with `export_id` (the chief's, one per export).
+        Returns what the chief's tables/index.json records of it. psrpc.sparse.load_tables
+        reads them back."""
         # Training is over (the chief asks at the end): the rows no longer change, so they are
         # written as they are, straight into the file: no copy of a table in memory.
-        state = {"format": TABLES_FORMAT, "version": self.version,
-                 "partition": self.sparse.partition, "num_ps": self.num_ps,
+        state = {"format": TABLES_FORMAT, "export": export_id, "ps": self.ps,
+                 "version": self.version, "partition": self.sparse.partition,
+                 "num_ps": self.num_ps,
                  "tables": {n: {"rows": self.partitions[n].global_rows(self.ps), "weight": w,
                                 "num_rows": self.specs[n].num_rows}
                             for n, w in self.weights.items()}}
@@ -183,9 +186,10 @@ class TableShard(DynamicParts, Shard):
                                   "pooling": t.spec.pooling}
         folder = Path(out_dir) / "tables"
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"ps{self.ps}.pt"
-        write_atomic(path, state)
-        return str(path)
+        write_atomic(folder / table_file(self.ps), state)
+        return {"file": table_file(self.ps), "ps": self.ps, "num_ps": self.num_ps,
+                "version": self.version, "partition": self.sparse.partition,
+                "tables": tables_meta(state["tables"])}
 
     # -- what the update rules use -------------------------------------------------------------------
     def _check_payload(self, worker: int, payload) -> None:

@@ -363,8 +363,9 @@ class Chief:
             final_checkpoint_error=self.final_checkpoint_error,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
         outputs.write_outputs(self.out_dir, state, summary)
-        if self.plan.table_shards:  # each PS writes its rows itself: tables/ps<k>.pt
-            comm.wait_all([comm.invoke(t, "export", str(self.out_dir))
-                           for t in self.plan.table_shards])
+        if self.plan.table_shards:  # each PS writes its rows itself (tables/ps<k>.pt), the
+            shards = self.plan.table_shards  # chief the index of them last
+            outputs.export_tables(self.out_dir, len(shards), lambda export_id: comm.wait_all(
+                [comm.invoke(t, "export", str(self.out_dir), export_id) for t in shards]))
         outputs.log_done(summary, self.out_dir)
         return summary

@@ -1,19 +1,23 @@
 """The run's outputs, written by the chief: `model.pt` (the full state_dict gathered from the
-shards, plus the buffers of the chief's replica), the final evaluation, and `summary.json`."""
+shards, plus the buffers of the chief's replica), the final evaluation, `summary.json`, and
+`tables/index.json`, naming the files of the tables' export (each PS writes its own)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from psrpc import factories
+from psrpc.checkpoint import write_atomic
 from psrpc.cluster import comm
 from psrpc.metrics import AUCLogLoss
+from psrpc.sparse.export import INDEX, make_index, table_files
 from psrpc.worker.loader import fetch, to_device
 
 log = logging.getLogger("psrpc")
@@ -85,10 +89,31 @@ def hidden_auc(test, chunk: int = 8192) -> dict:
 
 
 def write_outputs(out_dir: Path, state: dict, summary: dict) -> None:
+    # an index of an earlier run's tables must not stand beside this run's model.pt: it goes
+    # first, and export_tables writes this run's once its tables are written
+    (out_dir / "tables" / INDEX).unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(state, out_dir / "model.pt")
     with open(out_dir / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)
+
+
+def export_tables(out_dir: Path, num_ps: int, export: Callable[[str], list]) -> dict:
+    """Every PS's rows into out_dir/tables/ as one export: the index and ps<k>.pt files an
+    earlier run left in this folder are removed, `export(export_id)` has every PS write its
+    ps<k>.pt tagged with a new export id (and returns what each wrote: TableShard.export), and
+    tables/index.json, naming the files, num_ps, the step and the export id, is written last.
+    A PS on another host without shared storage writes its file there; the chief's folder then
+    holds the index, which load_tables reads the files against once they are copied beside it."""
+    folder = out_dir / "tables"
+    (folder / INDEX).unlink(missing_ok=True)
+    for stale in table_files(folder):
+        stale.unlink(missing_ok=True)
+    export_id = uuid.uuid4().hex
+    index = make_index(export_id, num_ps, export(export_id))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / INDEX, json.dumps(index, indent=1).encode())
+    return index
 
 
 def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s: float,
