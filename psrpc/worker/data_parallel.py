@@ -324,6 +324,8 @@ class Worker(Replica):
             self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if not ended and after_step(replies[0], t2 - t1, loss):
                 break
+        if isinstance(self.rows, RowCache):  # what it still holds (an early stop) to the PS
+            self.rows.hand_over()
         if self.allreduce is not None:
             self.stats.dense_digest = self.allreduce.digest()
             self.stats.dense_group = self.allreduce.kind()
