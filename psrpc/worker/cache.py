@@ -34,8 +34,9 @@ Adagrad sees one summed step instead of several) and write-through keeps the exa
 skewed click logs holding halves the bytes at the exact AUC (benchmarks/README.md).
 
 `cache_staleness=0` (the default) or `cache_rows=0` bypass the cache: every step pulls and
-pushes every row it touches. That is bit for bit the exact run unless the worker pulls ahead (a
-bound of 1 or more with update.dense=allreduce in sync pulls ahead whatever cache_rows is).
+pushes every row it touches. That is bit for bit the exact run unless the worker pulls ahead
+(`sparse.pull_ahead`: under `auto`, the default, a bound of 1 or more with update.dense=allreduce
+in sync pulls ahead whatever cache_rows is; `off` never does).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from psrpc.cluster import comm, membership, sidechannel
 from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.config import Config
+from psrpc.errors import PsrpcError
 from psrpc.factories import Data
 from psrpc.sparse.tables import find_tables
 from psrpc.worker import rng
@@ -63,7 +64,12 @@ class Worker(Replica):
         # at t (see `run`). Buffers (BatchNorm) would take t+1's batch before the chief saves
         # step t+1's: such models step one at a time.
         self.pipelined = bool(self.tables) and self.allreduce is not None and self.sync \
-            and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model)
+            and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model) \
+            and cfg.sparse.pull_ahead != "off"
+        if cfg.sparse.pull_ahead == "on" and not self.pipelined:  # (the rest: validate.py)
+            raise PsrpcError("sparse.pull_ahead=on: this model cannot pull ahead ("
+                             + ("it has no embedding tables)" if not self.tables else
+                                "its buffers, BatchNorm's, make it step one at a time)"))
         if self.tables:
             self.rows = self._row_client(plan)
             sp = cfg.sparse
