@@ -66,7 +66,8 @@ def test_the_row_cache_pulling_ahead_halves_the_table_traffic(tmp_path):
     mode = MODE + ["train.steps=40", "cluster.num_ps=2"]
     exact = _run(tmp_path / "exact", mode)
     cached = _run(tmp_path / "cached", mode + ["sparse.cache_rows=400",
-                                               "sparse.cache_staleness=8"])
+                                               "sparse.cache_staleness=8",
+                                               "sparse.cache_writes=hold"])
     summary = cached[0]
     assert summary["steps"] == 40 and all(s["version"] == 40 for s in summary["shards"])
     assert summary["cache_hit_rate"] > 0.5 and summary["dense_replicas_identical"]

@@ -116,14 +116,15 @@ def test_row_cache_with_staleness_0_changes_no_bit(tmp_path, reference):
 
 
 def test_row_cache_serves_hot_rows_and_halves_the_table_traffic(tmp_path):
-    """Sync, W=2, 2 PS: with a bound of 8 steps the workers' caches serve most lookups of the
-    skewed ids, the table bytes per step fall by half or more, every held gradient reaches the
+    """Sync, W=2, 2 PS, write-back: with a bound of 8 steps the workers' caches serve most
+    lookups of the skewed ids, the table bytes per step fall by half or more, every held gradient reaches the
     PS by the end (every shard at the last step), and the model still learns as the exact one."""
     mode = ["cluster.num_workers=2", "cluster.num_ps=2", "train.batch_size=32",
             "train.steps=40"]
     exact = _run(tmp_path / "exact", mode)
     cached = _run(tmp_path / "cached", mode + ["sparse.cache_rows=400",
-                                               "sparse.cache_staleness=8"])
+                                               "sparse.cache_staleness=8",
+                                               "sparse.cache_writes=hold"])
     summary = cached[0]
     assert summary["steps"] == 40 and all(s["version"] == 40 for s in summary["shards"])
     assert summary["cache_hit_rate"] > 0.5

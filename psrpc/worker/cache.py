@@ -28,7 +28,7 @@ autograd) read the PS. A membership epoch or a roll back of the PS drops the cac
 held gradients (counted in `cache_grads_dropped`, as a step in flight is lost); a worker that
 joins again starts cold.
 
-`sparse.cache_writes=through` caches reads only: every gradient goes to the PS
+`sparse.cache_writes=through` (the default) caches reads only: every gradient goes to the PS
 in its own step. On MovieLens 100K, where every row is hot, holding gradients costs AUC (row-wise
 Adagrad sees one summed step instead of several) and write-through keeps the exact run's; on
 skewed click logs holding halves the bytes at the exact AUC (benchmarks/README.md).
