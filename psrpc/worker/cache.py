@@ -178,16 +178,12 @@ class RowCache:
         the rows the next push and the next lookup name."""
         self.client.receive(replies)
         flight, self._flight = self._flight, None
-        if flight is not None:  # hold: were the push's held sums applied?
-            refused = np.array([not r.accepted for r in replies], dtype=bool)
-            if not refused.any():
-                self.stats.cache_grads_applied += flight.units
-            elif any(r.skipped for r in replies):  # non-finite: dropped whole, as before
+        if flight is not None and not all(r.accepted for r in replies):  # (hold)
+            if any(r.skipped for r in replies):  # non-finite: dropped whole, as before
                 self.stats.cache_grads_dropped += flight.units
             else:  # stale, or past the end: the sums of earlier steps wait for the next push
-                applied, dropped = held.give_back(self, flight, refused)
-                self.stats.cache_grads_applied += applied
-                self.stats.cache_grads_dropped += dropped
+                refused = np.array([not r.accepted for r in replies], dtype=bool)
+                self.stats.cache_grads_dropped += held.give_back(self, flight, refused)
         got = self.client.take_ahead() if self.capacity else None
         coming, self._coming = self._coming, {}
         if got is None:
@@ -267,9 +263,8 @@ class RowCache:
                     parts.setdefault(k, []).append((g.table_of(b.slots[missed]), b.rows[missed],
                                                     gn[missed], np.ones(missed.size, np.int64)))
             parts.setdefault(k, []).append(g.take_due(now, self.staleness, everything))
-            if b is not None:  # the positions whose gradient stays held (not due)
-                flight.own[k] = (b, gn, np.flatnonzero(
-                    (g.row[b.slots] == b.rows) & (g.pending_since[b.slots] >= 0)))
+            if b is not None:  # (what a give-back takes out again)
+                flight.own[k] = (b, gn, missed, g.taken)
         out = self._payload(parts, flight)
         self._flight = flight
         return self.client.push_async(out, versions, loss, samples, ticket, ahead=ahead)
@@ -310,9 +305,10 @@ class RowCache:
             log.warning("row cache: the gradients held at the end did not reach the table "
                         "shards: %s", first_line(e))
             self._evicted = [(k, p) for k, p in flight.sent.items()]
+            self.stats.cache_grads_held = self.units_held()
             return
         self.stats.cache_grads_handed_over += flight.units
-        self.stats.cache_grads_applied += flight.units
+        self.stats.cache_grads_held = self.units_held()
 
 
 def _find(sorted_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -46,8 +46,9 @@ def key(tabs: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 class Flight:
-    """What one push carried, per group: `sent` the merged piece; `own` (batch, its gradients,
-    the positions whose gradient stayed in the cache: held and not due)."""
+    """What one push carried, per group: `sent` the merged piece; `own` (the batch, its
+    gradients, the positions it missed, the slots whose sums were due): the batch's gradients
+    went out where missed or due, and stayed held elsewhere."""
 
     def __init__(self):
         self.sent: dict[int, tuple] = {}
@@ -58,22 +59,21 @@ class Flight:
         return int(sum(p[3].sum() for p in self.sent.values()))
 
 
-def give_back(cache, flight: Flight, refused: np.ndarray) -> tuple[int, int]:
+def give_back(cache, flight: Flight, refused: np.ndarray) -> int:
     """`refused[k]`: table server k did not apply the push. The sums it carried for those
     servers' rows go back to `cache._evicted`, less the push's own step gradients, which are
-    dropped (from the cache too, where they are held). Returns (units applied, units dropped)."""
-    applied = dropped = 0
+    dropped (from the cache too, where they are held). Returns how many were dropped."""
+    dropped = 0
     for k, (tabs, rows, sums, units) in flight.sent.items():
         g = cache.groups[k]
         back = refused[_servers(cache, g, tabs, rows)]
-        applied += int(units[~back].sum())
         sums, units = sums.copy(), units.copy()  # (the sent arrays may back a message)
-        b, gn, in_cache = flight.own.get(k, (None, None, None))
+        b, gn, missed, taken = flight.own.get(k, (None, None, None, None))
         if b is not None:
             mine_tabs, mine = g.table_of(b.slots), b.rows
             mine_back = refused[_servers(cache, g, mine_tabs, mine)]
-            sent = np.ones(mine.size, dtype=bool)
-            sent[in_cache] = False
+            sent = np.isin(b.slots, taken)  # held, then due: in the payload
+            sent[missed] = True
             at = np.searchsorted(key(tabs, rows), key(mine_tabs, mine))
             take = np.flatnonzero(sent & mine_back)  # in the payload: taken out of it
             sums[at[take]] -= gn[take]
@@ -85,7 +85,7 @@ def give_back(cache, flight: Flight, refused: np.ndarray) -> tuple[int, int]:
         keep = back & (units > 0)
         if keep.any():
             cache._evicted.append((k, (tabs[keep], rows[keep], sums[keep], units[keep])))
-    return applied, dropped
+    return dropped
 
 
 def _servers(cache, g, tabs: np.ndarray, rows: np.ndarray) -> np.ndarray:

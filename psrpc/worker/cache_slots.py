@@ -32,6 +32,7 @@ class _Slots:
         self.pending = np.zeros((total, self.dim), dtype=np.float32)
         self.pending_since = np.full(total, -1, dtype=np.int64)  # -1: nothing held
         self.units = np.zeros(total, dtype=np.int64)  # step gradients in the held sum
+        self.taken = np.zeros(0, dtype=np.int64)  # the slots the last take_due emptied
         self.ahead = np.zeros(total, dtype=bool)  # filled by a pull ahead, not looked up since
         self._mark = np.zeros(total, dtype=np.int8)  # scratch of a fill (kernels.fill)
         self.started: dict[int, list[np.ndarray]] = {}  # step -> slots that began holding
@@ -82,12 +83,10 @@ class _Slots:
         (displaced rows that held gradients: (tables, rows, sums, units)) and the positions
         placed.
         `ahead`: pulled ahead of their lookup (not hits when it finds them)."""
-        placed, s, old, sums = self.kernels.fill(
-            self.row, self.values, self.pulled_at, self.pending, self.pending_since, self.ahead,
-            self._mark, rows, slots, np.ascontiguousarray(values, dtype=np.float32), at, keep,
-            ahead)
-        units = self.units[s]
-        self.units[s] = 0
+        placed, s, old, sums, units = self.kernels.fill(
+            self.row, self.values, self.pulled_at, self.pending, self.pending_since, self.units,
+            self.ahead, self._mark, rows, slots, np.ascontiguousarray(values, dtype=np.float32),
+            at, keep, ahead)
         return (self.table_of(s), old, sums, units), placed
 
     def table_of(self, slots: np.ndarray) -> np.ndarray:
@@ -96,18 +95,15 @@ class _Slots:
     def hold(self, b: "_Batch", grads: np.ndarray, now: int) -> np.ndarray:
         """Add the gradients of the rows of `b` that are in their slots to their held sums;
         returns the positions of the others (pushed now)."""
-        began, missed = self.kernels.hold(self.row, self.pending, self.pending_since, b.slots,
-                                          b.rows, grads, now)
+        began, missed = self.kernels.hold(self.row, self.pending, self.pending_since,
+                                          self.units, b.slots, b.rows, grads, now)
         if began.size:
             self.started.setdefault(now, []).append(began)
-        held = np.ones(b.slots.size, dtype=bool)
-        held[missed] = False
-        self.units[b.slots[held]] += 1  # (a slot holds one row of the batch at most)
         return missed
 
     def take_due(self, now: int, staleness: int, everything: bool) -> tuple:
         """The held gradients due at `now` (held `staleness` steps, or all of them): (tables,
-        rows, sums, units), cleared here."""
+        rows, sums, units), cleared here; `taken`: their slots."""
         if everything:
             slots = np.arange(self.row.size, dtype=np.int64)
             since = np.full(slots.size, -1, dtype=np.int64)
@@ -119,12 +115,12 @@ class _Slots:
                     parts.append(p)
                     steps.append(np.full(p.size, step, dtype=np.int64))
             if not parts:
+                self.taken = np.zeros(0, dtype=np.int64)
                 return held.empty(self.dim)
             slots, since = np.concatenate(parts), np.concatenate(steps)
-        s, rows, sums = self.kernels.take(self.row, self.pending, self.pending_since, slots,
-                                          since)
-        units = self.units[s]
-        self.units[s] = 0
+        s, rows, sums, units = self.kernels.take(self.row, self.pending, self.pending_since,
+                                                 self.units, slots, since)
+        self.taken = s
         return self.table_of(s), rows, sums, units
 
 

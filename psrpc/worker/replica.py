@@ -36,13 +36,13 @@ class WorkerStats:
     cache_lookups: int = 0  # rows looked up in the hot-row cache (sparse.cache_rows)
     cache_hits: int = 0  # of those, served from it
     # sparse.cache_writes=hold: step gradients of rows (one per row and step) handed to the
-    # cache; of those applied by the table shards (hand-over included), dropped (with a push the
-    # shards did not apply, or with the cache at a new membership epoch), and still held when
-    # training ended, handed over then (cache - applied - dropped: held now, 0 at the end)
+    # cache; of those dropped (with a push the shards did not apply: its own step's, or all of a
+    # non-finite one; or with the cache at a new membership epoch), still held when training
+    # ended (handed over then), and held after the hand-over (0: none left behind)
     cache_grads: int = 0
-    cache_grads_applied: int = 0
     cache_grads_dropped: int = 0
     cache_grads_handed_over: int = 0
+    cache_grads_held: int = 0
     table_rpcs: int = 0  # messages to the table shards (pulls and pushes)
     side_channel: int = 0  # of those, pushes through a side channel (a PS on this host)
     dense_digest: Optional[str] = None  # update.dense=allreduce: the replica's, at the end
