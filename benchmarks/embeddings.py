@@ -206,7 +206,8 @@ def measure(system: str, ov: list[str], cache, psrpc_ov=()) -> float:
         # dense part averaged among the workers, only the tables on the PS
         ov = ov + list(psrpc_ov)
         if "_cache" in system:
-            ov = ov + [f"sparse.cache_rows={cache.rows}", f"sparse.cache_staleness={cache.staleness}"]
+            ov = ov + [f"sparse.cache_rows={cache.rows}", f"sparse.cache_staleness={cache.staleness}",
+                       f"sparse.cache_writes={cache.writes}"]
         if "_ahead" in system:  # no cache, a bound of one step: the next rows pulled ahead
             ov = ov + ["sparse.cache_staleness=1"]
         if "_allreduce" in system:

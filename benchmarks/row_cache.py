@@ -5,7 +5,8 @@ step, the test AUC and samples/s. Two datasets: synthetic Zipf click logs (zipf_
 1M-row table beside two small ones) and MovieLens 100K, where the one-hot logistic regression on
 the same features and split is the reference to stay above.
 
-    python -m benchmarks.row_cache [cache_rows=20000 'staleness=[2,8]']
+    python -m benchmarks.row_cache [cache_rows=20000 'staleness=[2,8]' 'datasets=[movielens]'
+                                    seed=1]
 """
 
 from __future__ import annotations
@@ -32,18 +33,18 @@ def _movielens(root: Path) -> list[str]:
 def main(argv: list[str]) -> None:
     b = bench_config("row_cache", argv)
     meta = header()
-    datasets = {"clicks": _clicks(b)}
-    root = Path(b.movielens) if b.movielens else None
+    datasets = {"clicks": _clicks(b)} if "clicks" in b.datasets else {}
+    root = Path(b.movielens) if b.movielens and "movielens" in b.datasets else None
     if root is not None and not root.is_absolute():
         root = (ROOT / root).resolve()
     if root is not None and (root / "ml-100k.inter").is_file():
         datasets["movielens"] = _movielens(root)
-    elif b.movielens:
+    elif root is not None:
         print(f"row_cache: {b.movielens} holds no ml-100k.inter: MovieLens skipped", flush=True)
     rows = []
     for (name, base), dense in [(d, m) for d in datasets.items() for m in b.dense]:
         common = base + [f"cluster.num_workers={b.workers}", f"cluster.num_ps={b.num_ps}",
-                         f"update.dense={dense}"]
+                         f"update.dense={dense}", f"train.seed={b.seed}"]
         exact = None
         for s, writes in [(0, None)] + [(s, w) for s in b.staleness for w in b.writes]:
             cache = ([f"sparse.cache_rows={b.cache_rows}", f"sparse.cache_staleness={s}",

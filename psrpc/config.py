@@ -162,14 +162,20 @@ class SparseConfig:
     betas: list[float] = MISSING
     """adam: coefficients of the moments."""
     cache_rows: int = MISSING
-    """Hot-row cache: rows of each table a worker keeps (0: no cache)."""
+    """Hot-row cache: rows of each table a worker keeps (0: no cache; see pull_ahead)."""
     cache_staleness: int = MISSING
     """Hot-row cache: the most steps a cached row's value, or a gradient held for it, may lag
     the PS (0: no cache, every step pulls and pushes every row it touches)."""
+    pull_ahead: str = MISSING
+    """auto: with update.dense=allreduce in sync and sparse.cache_staleness >= 1 each step is
+    computed while the last one's round runs, on table rows a step old, whatever cache_rows is
+    (so cache_rows=0 is then not the exact run); on: that, an error where it cannot; off: never
+    (cache_rows=0 is then the exact run bit for bit)."""
     cache_writes: str = MISSING
-    """Hot-row cache: hold (write-back: a cached row's gradients are summed on the worker and
-    pushed at most cache_staleness steps late) or through (write-through: pushed every step;
-    only reads are cached)."""
+    """Hot-row cache: through (the default; write-through: every gradient pushed in its own
+    step, only reads are cached) or hold (write-back: a cached row's gradients are summed on
+    the worker and pushed at most cache_staleness steps late; fewer bytes on skewed ids, but
+    row-wise Adagrad sees a summed step: MovieLens loses AUC)."""
     dynamic: bool = MISSING
     """Every table dynamic: raw int64 ids, a row per id made on first training (as
     TableSpec(dynamic=True) does for one table)."""

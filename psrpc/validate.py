@@ -163,6 +163,13 @@ def check_values(cfg: Config) -> None:
             "must be 0 with the hot-row cache (sparse.cache_rows and sparse.cache_staleness "
             "> 0): its held gradients go to the PS before each checkpoint step, known only "
             "with checkpoint.every_steps (or use sparse.cache_writes=through)")
+    # Pulling ahead computes a step on rows one step old: a bound of one step or more, and the
+    # dense replica on the workers (its update applied before the next forward), in sync
+    require(cfg.sparse.pull_ahead != "on" or (
+        cfg.update.name == "sync" and cfg.update.dense == "allreduce"
+        and cfg.parallel.name == "data" and cfg.sparse.cache_staleness >= 1),
+        "sparse.pull_ahead", "on", "needs update=sync, update.dense=allreduce, parallel=data "
+        "and sparse.cache_staleness ≥ 1 (the rows of a step computed ahead are a step old)")
     _validate_hooks(cfg.hooks)
     _validate_factories(cfg)
 
@@ -211,6 +218,7 @@ def _validate_sparse(sp) -> None:
         require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 f"sparse.{key}", value, "must be an integer ≥ 0 (0: no hot-row cache)")
     one_of(("hold", "through"), sp.cache_writes, "sparse.cache_writes")
+    one_of(("auto", "on", "off"), sp.pull_ahead, "sparse.pull_ahead")
     _validate_dynamic(sp)
 
 

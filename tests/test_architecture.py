@@ -22,7 +22,7 @@ SERVER_SIDE = ("psrpc.cluster", "psrpc.ps", "psrpc.worker", "psrpc.checkpoint", 
 # `import psrpc` loads no torch).
 DEFERRED = {("psrpc.data", "torchvision"), ("psrpc.models.vision", "torchvision"),
             ("psrpc.session.hooks", "torch.utils.tensorboard"), ("psrpc", "psrpc"),
-            ("psrpc.worker.cache", "psrpc.worker")}  # (its Numba kernels: 0.27 s of import)
+            ("psrpc.worker.cache_slots", "psrpc.worker")}  # (its Numba kernels: 0.27 s of import)
 
 
 def test_layer_contracts_hold():

@@ -1,4 +1,5 @@
-"""Pulls ahead of time (`sparse.cache_staleness` >= 1 with update.dense=allreduce, sync): a
+"""Pulls ahead of time (`sparse.pull_ahead=auto`, the default: `sparse.cache_staleness` >= 1
+with update.dense=allreduce, sync; `off` never, `on` or an error): a
 worker computes step t+1 while step t's round is under way, on table rows one step old, and
 pushes it once t's reply is in. The dense replica stays exact (each step's average is applied
 before the next forward), so with frozen tables (sparse.lr=0) the run is the exact run bit for
@@ -33,6 +34,19 @@ def test_with_frozen_tables_pulling_ahead_changes_no_bit_and_a_resume_is_exact(t
     _assert_equal(second, exact)
 
 
+def test_with_pulling_ahead_off_a_bound_and_no_cache_rows_is_the_exact_run_bit_for_bit(
+        tmp_path):
+    """sparse.pull_ahead=off: a bound of one step with dense all-reduce (which pulls ahead
+    under `auto`, the test below) and cache_rows=0 caches nothing and computes nothing ahead:
+    learning tables, dense replica and every row's Adagrad state have the exact run's bits."""
+    mode = MODE + ["train.steps=30"]
+    exact = _run(tmp_path / "exact", mode)
+    off = _run(tmp_path / "off", mode + AHEAD + ["sparse.cache_rows=0", "sparse.pull_ahead=off"])
+    _assert_equal(off, exact)
+    assert off[0]["test_auc"] == exact[0]["test_auc"]
+    assert off[0]["table_rpcs_per_step"] == exact[0]["table_rpcs_per_step"]
+
+
 def test_pulling_ahead_sends_one_table_message_a_step_and_learns_as_the_exact_run(tmp_path):
     mode = MODE + ["train.steps=60", "train.log_every=30"]
     exact = _run(tmp_path / "exact", mode)
@@ -52,7 +66,8 @@ def test_the_row_cache_pulling_ahead_halves_the_table_traffic(tmp_path):
     mode = MODE + ["train.steps=40", "cluster.num_ps=2"]
     exact = _run(tmp_path / "exact", mode)
     cached = _run(tmp_path / "cached", mode + ["sparse.cache_rows=400",
-                                               "sparse.cache_staleness=8"])
+                                               "sparse.cache_staleness=8",
+                                               "sparse.cache_writes=hold"])
     summary = cached[0]
     assert summary["steps"] == 40 and all(s["version"] == 40 for s in summary["shards"])
     assert summary["cache_hit_rate"] > 0.5 and summary["dense_replicas_identical"]

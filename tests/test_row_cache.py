@@ -168,8 +168,10 @@ class AheadServer(Server):
 
 
 class _Version:
-    def __init__(self, version):
-        self.version = version
+    """A table shard's Reply, as the cache reads it."""
+
+    def __init__(self, version, accepted=True, skipped=False):
+        self.version, self.accepted, self.skipped = version, accepted, skipped
 
 
 @pytest.mark.parametrize("lag,staleness,capacity", [(0, 2, 50), (1, 1, 50), (1, 4, 8),
@@ -239,13 +241,108 @@ def test_a_fill_leaves_kept_slots_gives_a_slot_to_its_first_row_and_returns_held
     g.row[:] = [-1, 9, -1, 7]  # row 9 in slot 1 (kept), row 7 in slot 3 holding a gradient
     g.pending[3] = [1.5, -2.0]
     g.pending_since[3] = 4
+    g.units[3] = 2  # two steps' gradients in that sum
     rows = np.array([5, 2, 6, 11, 4], dtype=np.int64)  # slots 1, 2, 2, 3, 0
     values = np.arange(10, dtype=np.float32).reshape(5, 2)
-    (tables, gone, sums), placed = g.fill(rows, rows % 4, values, 8, np.array([1]))
+    (tables, gone, sums, units), placed = g.fill(rows, rows % 4, values, 8, np.array([1]))
     assert placed.tolist() == [1, 3, 4]  # not 5 (slot 1 kept), not 6 (slot 2 taken by 2)
     assert g.row.tolist() == [4, 9, 2, 11]
     assert g.values[2].tolist() == [2, 3] and g.values[0].tolist() == [8, 9]
     assert g.pulled_at.tolist() == [8, 0, 8, 8]
     assert tables.tolist() == [0] and gone.tolist() == [7] and sums.tolist() == [[1.5, -2.0]]
+    assert units.tolist() == [2] and g.units[3] == 0
     assert g.pending_since[3] == -1 and not g.pending[3].any()
     assert not g._mark.any()  # the scratch is left clear
+
+
+def test_a_row_evicted_and_missed_in_one_step_goes_out_once_with_both_sums():
+    """Rows 1 and 51 share slot 1 of 50: row 1 takes it, row 51 misses. A held sum of row 51
+    waiting to go out (evicted, or given back by a push the PS refused) and its gradient of
+    this step leave in one entry, summed in a fixed order (the held sum first): the PS takes
+    unique, ascending rows only."""
+    import numpy as np
+
+    server = Server()
+    cache = RowCache(server, SPECS, 50, 10, clock=lambda: 0, flush_all=lambda s: False,
+                     stats=WorkerStats())
+    rows = {"big": torch.tensor([1, 51])}
+    with torch.enable_grad():
+        cache.pull(rows)
+    held = np.array([[0.5, 0.25, -1.0, 2.0]], dtype=np.float32)
+    cache._evicted.append((0, (np.array([0]), np.array([51]), held, np.array([3]))))
+    grad = torch.randn(2, 4)
+    cache.push_async({"big": (rows["big"], grad)}, [], 0.0, 1)  # Server checks unique rows
+    assert torch.equal(server.received["big"][51], torch.from_numpy(held[0]) + grad[1])
+    assert not server.received["big"][1].any()  # row 1 is in its slot: held
+    assert cache.units_held() == 1 and cache.stats.cache_grads == 2
+
+
+class RefusingServer(Server):
+    """A Server whose pushes at the steps in `refuse` are not applied (a push past the step
+    training stopped at, or a stale one): its reply says not accepted."""
+
+    def __init__(self, refuse):
+        super().__init__()
+        self.refuse, self.step = set(refuse), 0
+
+    def push_async(self, grads, versions, loss, samples, ticket=None, void=False, ahead=None):
+        if self.step in self.refuse:
+            for rows in (g[0] for g in grads.values()):
+                assert rows.numel() == 0 or bool((rows[1:] > rows[:-1]).all())
+            return []
+        return super().push_async(grads, versions, loss, samples, ticket, void, ahead)
+
+    def take_ahead(self):
+        return None
+
+    def hand_over(self, grads):
+        for name, (rows, g) in grads.items():
+            self.received[name][rows] += g
+
+
+@pytest.mark.parametrize("staleness,capacity,pipelined", [(3, 50, False), (5, 8, False),
+                                                            (4, 4, True)])
+def test_a_push_the_ps_refuses_gives_its_held_sums_back_and_the_hand_over_takes_the_rest(
+        staleness, capacity, pipelined):
+    """The refused pushes' own step gradients are dropped (as the step's dense gradient is);
+    every other gradient reaches the server, once: with a later push or, for what is still
+    held when training ends early (no flush in the last steps), with the hand-over.
+    `pipelined`: the next lookup runs before the push's reply (as a worker pulling ahead),
+    so a sum holding the refused step's gradient may have been evicted meanwhile."""
+    rnd, steps, refused = random.Random(2), 40, {9, 17, 18, 39}
+    server, stats, clock = RefusingServer(refused), WorkerStats(), [0]
+    cache = RowCache(server, SPECS, capacity, staleness, clock=lambda: clock[0],
+                     flush_all=lambda step: False, stats=stats)
+    batches = [{s.name: torch.tensor(sorted({min(int(rnd.paretovariate(1.0)) - 1,
+                                                 s.num_rows - 1) for _ in range(12)}))
+                for s in SPECS} for _ in range(steps)]
+    given = {s.name: torch.zeros(s.num_rows, s.dim) for s in SPECS}
+    own = 0  # the refused steps' own row gradients
+
+    def lookup(step):
+        with torch.enable_grad():
+            cache.pull(batches[step])
+
+    lookup(0)
+    for step in range(steps):
+        clock[0] = server.step = step
+        grads = {n: (r, torch.randn(r.numel(), SPECS[i].dim)) for i, (n, r) in
+                 enumerate(batches[step].items())}
+        if step not in refused:
+            for n, (r, g) in grads.items():
+                given[n][r] += g
+        else:
+            own += sum(r.numel() for r in batches[step].values())
+        cache.push_async(grads, [], 0.0, 1)
+        if pipelined and step + 1 < steps:
+            lookup(step + 1)
+        cache.receive([_Version(step + 1, accepted=step not in refused)])
+        if not pipelined and step + 1 < steps:
+            lookup(step + 1)
+    assert cache.units_held() > 0  # an early stop: the last steps did not flush
+    cache.hand_over()
+    assert cache.units_held() == 0
+    for name in given:
+        torch.testing.assert_close(server.received[name], given[name], rtol=1e-5, atol=1e-5)
+    assert stats.cache_grads_dropped == own
+    assert stats.cache_grads_held == 0 and stats.cache_grads_handed_over > 0

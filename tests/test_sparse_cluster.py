@@ -2,12 +2,17 @@
 hold for tables as for dense parameters, and the tables can be read back."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from psrpc.sparse import load_tables
-from tests.conftest import MNIST_ROOT, SHM, assert_equal_model, compose, run_cluster
+from tests.conftest import MNIST_ROOT, SHM, assert_equal_model, compose, on_cpu, run_cluster
 
 pytestmark = pytest.mark.timeout(300)
 MOVIELENS = MNIST_ROOT / "ml-100k"  # ../shared/data/ml-100k
@@ -130,14 +135,15 @@ def test_row_cache_with_staleness_0_changes_no_bit(tmp_path, reference):
 
 
 def test_row_cache_serves_hot_rows_and_halves_the_table_traffic(tmp_path):
-    """Sync, W=2, 2 PS: with a bound of 8 steps the workers' caches serve most lookups of the
-    skewed ids, the table bytes per step fall by half or more, every held gradient reaches the
+    """Sync, W=2, 2 PS, write-back: with a bound of 8 steps the workers' caches serve most
+    lookups of the skewed ids, the table bytes per step fall by half or more, every held gradient reaches the
     PS by the end (every shard at the last step), and the model still learns as the exact one."""
     mode = ["cluster.num_workers=2", "cluster.num_ps=2", "train.batch_size=32",
             "train.steps=40"]
     exact = _run(tmp_path / "exact", mode)
     cached = _run(tmp_path / "cached", mode + ["sparse.cache_rows=400",
-                                               "sparse.cache_staleness=8"])
+                                               "sparse.cache_staleness=8",
+                                               "sparse.cache_writes=hold"])
     summary = cached[0]
     assert summary["steps"] == 40 and all(s["version"] == 40 for s in summary["shards"])
     assert summary["cache_hit_rate"] > 0.5
@@ -162,3 +168,65 @@ def test_movielens_dlrm_beats_logistic_regression_on_the_same_features(tmp_path)
                              fast=False, timeout_s=280)
     print(f"DLRM test AUC {summary['test_auc']:.4f}, logistic regression {baseline:.4f}")
     assert summary["test_auc"] > baseline + 0.005
+
+
+HOLD = ["cluster.num_workers=2", "cluster.num_ps=2", "train.batch_size=32", "train.steps=60",
+        "sparse.cache_rows=16", "sparse.cache_staleness=8", "sparse.cache_writes=hold"]
+
+
+def _assert_every_held_gradient_reached_the_ps(summary, ck: Path, out: Path) -> None:
+    """Every row gradient a worker computed for a step the PS applied reached the PS: the
+    caches held some when training stopped (no last steps flushed them), and handed them over,
+    none is left in a worker; at most one step's rows per worker (the push past the stop,
+    refused as its dense gradient is) were dropped. The final checkpoint holds them, as the
+    exported tables do."""
+    assert summary["stopped_early"] and summary["cache_grads_held_at_end"] == 0
+    assert summary["cache_grads_handed_over"] > 0
+    for w in summary["workers"].values():
+        assert w["cache_grads_held"] == 0 and w["cache_grads"] > 0
+        assert w["cache_grads_dropped"] <= 3 * 32  # 3 features of 32 samples
+    tables = [r for r in summary["shards"] if "tables" in r]
+    assert all(r["hand_over_missing"] == [] and set(r["handed_over"]) == {"0", "1"}
+               for r in tables)
+    for k in range(len(tables)):
+        saved = torch.load(ck / f"step-{summary['steps']}" / f"tables-{k}.pt",
+                           weights_only=True)["tables"]
+        final = torch.load(out / "tables" / f"ps{k}.pt", weights_only=True)["tables"]
+        assert all(torch.equal(t["weight"], final[n]["weight"]) for n, t in saved.items())
+
+
+@pytest.mark.parametrize("dense", ["ps", "allreduce"])
+def test_an_early_stop_hands_every_held_gradient_to_the_ps_before_the_final_checkpoint(
+        tmp_path, dense):
+    """A hook's info.stop (StopAtStep) at step 30 of 60, write-back cache (16 rows, a bound of
+    8): with the dense part on the PS, and all-reduced among the workers (pulling ahead: a
+    step computed ahead is never pushed)."""
+    ck = tmp_path / "ck"
+    summary, _, _ = _run(tmp_path / "out", HOLD + [
+        f"update.dense={dense}", "optim=adam", f"checkpoint.dir={ck}",
+        "hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 30}]"])
+    assert summary["steps"] == 30
+    _assert_every_held_gradient_reached_the_ps(summary, ck, tmp_path / "out")
+
+
+def test_sigterm_hands_every_held_gradient_to_the_ps_before_the_final_checkpoint(tmp_path):
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    args = [sys.executable, "-m", "psrpc", *on_cpu(CLICKS + HOLD + [
+        "train.steps=1000000", "train.log_every=5", f"checkpoint.dir={ck}", f"out_dir={out}"])]
+    with (tmp_path / "output.txt").open("w") as log:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 150
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+            assert time.monotonic() < deadline and proc.poll() is None, \
+                (tmp_path / "output.txt").read_text()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] >= 20, (tmp_path / "output.txt").read_text()[-2000:]
+    _assert_every_held_gradient_reached_the_ps(summary, ck, out)

@@ -176,10 +176,11 @@ class Shard:
         return self.max_steps
 
     @comm.async_execution
-    def settle(self):
+    def settle(self, wait_s: Optional[float] = None):
         """The Future of this shard's version once it is at its last step: with bounded
         staleness the chief can see 'finished' while tickets are still on their way to other
-        shards (a ticket that never comes is skipped after update.timeout_s)."""
+        shards (a ticket that never comes is skipped after update.timeout_s). `wait_s`: for a
+        table shard (TableShard.settle)."""
         with self.lock:
             if self.finished:
                 return comm.completed(self.version)

@@ -35,6 +35,7 @@ from psrpc.optim.schedule import lr_factor
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.dynamic import DynamicParts, check_counts, dynamic_tables, process_memory
+from psrpc.ps.handover import HandOver
 from psrpc.sparse.export import TABLES_FORMAT, table_file, tables_meta
 from psrpc.sparse.optim import build_sparse_optimizer, sparse_hyper
 from psrpc.sparse.rows import (HashPartition, Partition, TableSpec, init_rows, mean_rows,
@@ -59,12 +60,14 @@ class TableShardSpec(ShardSpec):
     seed: int = 0  # train.seed: the tables' initial values
     sparse: object = None  # the sparse config: optimizer, lr, partition, ...
     restore: Optional[dict] = None  # {"paths": [old tables files], "partition", "num_ps"}
+    hand_over: bool = False  # the workers' row caches hold gradients: wait for them at the end
 
 
 class TableShard(DynamicParts, Shard):
     def __init__(self, spec: TableShardSpec):
         self._restored_stats: Optional[dict] = None
         super().__init__(spec)
+        self.handover = HandOver(self, spec.hand_over, float(spec.update.timeout_s))
         if self._restored_stats is not None:  # this server's own counters, same partition
             self.stats = ShardStats(**self._restored_stats)
 
@@ -152,6 +155,17 @@ class TableShard(DynamicParts, Shard):
             if self.dynamic:
                 return replace(reply, rows=self._ahead_rows(worker, ahead))
             return replace(reply, rows=self._values(ahead, worker))
+
+    def take_held(self, worker: int, payload) -> int:
+        """What a worker's row cache still held when training ended, {table: (local rows,
+        sums)}: applied before the final checkpoint (psrpc/ps/handover.py)."""
+        return self.handover.take(worker, payload)
+
+    @comm.async_execution
+    def settle(self, wait_s: Optional[float] = None):
+        """Shard.settle, and the workers' held row gradients applied (at most `wait_s`
+        waited for them; None: update.timeout_s)."""
+        return self.handover.settle(Shard.settle(self), wait_s)
 
     def begin_epoch(self) -> int:
         """A new membership epoch: the old group's requests ahead, and rows looked up for
@@ -351,5 +365,5 @@ class TableShard(DynamicParts, Shard):
                                   for n, t in self.dynamic.tables.items()})
             out["tables_bytes"] = (sum(w.nbytes for w in self.weights.values())
                                    + self.dynamic.nbytes())  # the id map included
-        out.update(process_memory(), history=list(self.history))
+        out.update(process_memory(), history=list(self.history), **self.handover.report())
         return out

@@ -28,6 +28,7 @@ from psrpc.ps.shard import ShardSpec
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.tables import TableShardSpec
 from psrpc.sparse.tables import find_tables
+from psrpc.worker.cache import holds_gradients
 from psrpc.worker.plan import DenseState, Plan
 from psrpc.worker.replica import model_buffers
 
@@ -261,7 +262,8 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
             restored.step if restored else 0, None, cfg.checkpoint.dir,
             cfg.checkpoint.every_steps, build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
             None, f"ps{k}/tables", ps=k, num_ps=topo.num_ps, tables=specs, seed=cfg.train.seed,
-            sparse=cfg.sparse, restore=restore)
+            sparse=cfg.sparse, restore=restore,
+            hand_over=cfg.parallel.name == "data" and holds_gradients(cfg.sparse))
         built.append((topo.ps_names[k], spec))
     return _create(built)
 

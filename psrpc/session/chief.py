@@ -333,7 +333,11 @@ class Chief:
         there within update.timeout_s + 5 s (every worker has stopped pushing by then)."""
         shards = self.plan.every_shard
         timeout = self.cfg.update.timeout_s + 5  # a ticket that never comes is skipped by then
-        futures = [comm.invoke(r, "settle", timeout_s=timeout) for r in shards]
+        # the table shards wait for the workers' held row gradients (psrpc/ps/handover.py);
+        # after a signal only as long as for the workers' done reports
+        wait_s = min(STOP_WAIT_S, self.cfg.update.timeout_s) if _STOP_REQUESTED.is_set() \
+            else self.cfg.update.timeout_s
+        futures = [comm.invoke(r, "settle", wait_s, timeout_s=timeout + wait_s) for r in shards]
         steps, behind = [], []
         for r, fut in zip(shards, futures):
             try:

@@ -151,18 +151,24 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
 def _table_traffic(plan, workers: dict) -> dict:
     """Embedding traffic per worker step (rows pulled and pushed, in bytes; messages to the
     table shards, and the share of them that went through a side channel) and the share of row
-    lookups the workers' hot-row caches served (null without a cache)."""
+    lookups the workers' hot-row caches served (null without a cache); with held gradients
+    (sparse.cache_writes=hold), the row gradients still held in a worker after the hand-over
+    at the end (0: none left behind) and those handed over then."""
     if not plan.table_specs:
         return {}
     total = {k: sum(w.get(k, 0) for w in workers.values())
              for k in ("pushes", "sparse_bytes", "cache_lookups", "cache_hits", "table_rpcs",
-                       "side_channel")}
+                       "side_channel", "cache_grads", "cache_grads_held",
+                       "cache_grads_handed_over")}
     steps = max(1, total["pushes"])
     return {"sparse_bytes_per_step": _round(total["sparse_bytes"] / steps, 1),
             "table_rpcs_per_step": _round(total["table_rpcs"] / steps, 2),
             "side_channel_share": _round(total["side_channel"] / max(1, total["table_rpcs"]), 2),
             "cache_hit_rate": (_round(total["cache_hits"] / total["cache_lookups"], 4)
-                               if total["cache_lookups"] else None)}
+                               if total["cache_lookups"] else None),
+            "cache_grads_held_at_end": (total["cache_grads_held"] if total["cache_grads"]
+                                        else None),
+            "cache_grads_handed_over": total["cache_grads_handed_over"]}
 
 
 def _tables(reports: list[dict]) -> dict:

@@ -6,166 +6,58 @@ them every step.
 Each cached row carries two clocks, in global steps (the table shards' version):
 - `pulled_at`: the step its value was read from the PS. A lookup at step t serves the cached
   value while t - pulled_at <= cache_staleness, and pulls the row again after that.
-- `pending_since`: the first step whose gradient for the row is held here. The worker sums the
-  row's gradients locally and pushes the sum once t - pending_since reaches cache_staleness, when
-  the row is evicted, before a checkpoint step and in the last steps of training: no gradient is
-  dropped, it arrives at most cache_staleness steps late. The PS averages a sync round's
-  gradients over the workers in it, so a sum of s steps' gradients counts as those s gradients
-  would have; a stateful row optimizer (Adagrad, Adam) sees one larger step instead of s small
-  ones, which is the approximation HET makes too.
+- `pending_since` (`sparse.cache_writes=hold`): the first step whose gradient for the row is
+  held here. The worker sums the row's gradients and pushes the sum once t - pending_since
+  reaches cache_staleness, when the row is evicted, before a checkpoint step and in the last
+  steps of training; when training ends, every worker hands what it still holds (an early
+  stop: a signal, a hook) to the table shards, which apply it before the final checkpoint. A
+  push the shards do not apply gives back the sums it carried (psrpc/worker/cache_held.py). No
+  gradient of a step the PS applied is dropped; each arrives at most cache_staleness steps
+  late. A sync round averages over its workers, so a sum of s steps' gradients counts as those
+  s would have; a stateful row optimizer (Adagrad, Adam) sees one larger step instead of s small
+  ones, the approximation HET makes too.
 
-Slots are direct-mapped, as a CPU cache's lines: row r of a table can live in slot r % cache_rows
-of that table only, so a lookup, a fill and an eviction are each one pass over the batch's rows
-(compiled loops, psrpc/worker/cache_kernels.py), whatever the capacity (no LRU order to keep,
-no scan of the slots), and the tables of one dim share one set of arrays, so a step pays those
-passes once, not per table. A missed row takes its slot unless a row of this lookup or of the
-one asked ahead holds it; the row it displaces leaves with its held gradient, which goes out
-with the next push. The rows a push's reply brings ahead go into their slots as the reply
-arrives, so the lookup they are for finds them there (they count as pulled, not as hits).
-Lookups outside training (evaluation, no autograd) bypass the cache and read the PS. A
-membership epoch or a roll back of the PS drops the cache, values and held gradients (this
-worker's last s steps of table gradients are then lost, as a step in flight is); a worker that
+Slots are direct-mapped (psrpc/worker/cache_slots.py): row r of a table can live in slot
+r % cache_rows of that table only, so a lookup, a fill and an eviction are each one pass over
+the batch's rows (compiled loops, psrpc/worker/cache_kernels.py), whatever the capacity, and the
+tables of one dim share one set of arrays. A missed row takes its slot unless a row of this
+lookup or of the one asked ahead holds it; the row it displaces leaves with its held gradient,
+which goes out with the next push. The rows a push's reply brings ahead go into their slots as
+the reply arrives (they count as pulled, not as hits). Lookups outside training (evaluation, no
+autograd) read the PS. A membership epoch or a roll back of the PS drops the cache, values and
+held gradients (counted in `cache_grads_dropped`, as a step in flight is lost); a worker that
 joins again starts cold.
 
-`sparse.cache_writes=through` caches reads only: every gradient goes to the PS in its own step
-(write-through). Measured on MovieLens 100K, where every row is hot: holding gradients costs
-0.005 AUC even at a bound of one step (row-wise Adagrad sees one summed step instead of
-several), write-through keeps the exact run's AUC; on skewed click logs holding halves the
-bytes at the exact AUC.
+`sparse.cache_writes=through` (the default) caches reads only: every gradient goes to the PS
+in its own step. On MovieLens 100K, where every row is hot, holding gradients costs AUC (row-wise
+Adagrad sees one summed step instead of several) and write-through keeps the exact run's; on
+skewed click logs holding halves the bytes at the exact AUC (benchmarks/README.md).
 
-`cache_staleness=0` (the default) or `cache_rows=0` bypass the cache altogether: every step
-pulls and pushes every row it touches, bit for bit as without it.
+`cache_staleness=0` (the default) or `cache_rows=0` bypass the cache: every step pulls and
+pushes every row it touches. That is bit for bit the exact run unless the worker pulls ahead
+(`sparse.pull_ahead`: under `auto`, the default, a bound of 1 or more with update.dense=allreduce
+in sync pulls ahead whatever cache_rows is; `off` never does).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from psrpc.errors import first_line
 from psrpc.sparse.rows import TableSpec
+from psrpc.worker import cache_held as held
+from psrpc.worker.cache_slots import _Batch, _Slots  # noqa: F401 (_Slots: tests)
+
+log = logging.getLogger(__name__)
 
 
-class _Slots:
-    """The cache lines of the tables of one dim: table i owns slots [base_i, base_i + cap_i),
-    row r of it sits in slot base_i + r % cap_i. NumPy arrays, worked on by the compiled loops
-    of cache_kernels (a call costs a fraction of a torch operation's)."""
-
-    def __init__(self, specs: list[TableSpec], capacity: int):
-        from psrpc.worker import cache_kernels  # (Numba loads only where a cache is on)
-
-        self.kernels = cache_kernels
-        self.names = [s.name for s in specs]
-        self.dim = specs[0].dim
-        self.caps = np.array([max(1, min(capacity, s.num_rows)) for s in specs], dtype=np.int64)
-        self.base = np.concatenate([[0], np.cumsum(self.caps)[:-1]]).astype(np.int64)
-        total = int(self.caps.sum())
-        self.row = np.full(total, -1, dtype=np.int64)  # slot -> the row in it (-1: free)
-        self.values = np.zeros((total, self.dim), dtype=np.float32)
-        self.pulled_at = np.zeros(total, dtype=np.int64)
-        self.pending = np.zeros((total, self.dim), dtype=np.float32)
-        self.pending_since = np.full(total, -1, dtype=np.int64)  # -1: nothing held
-        self.ahead = np.zeros(total, dtype=bool)  # filled by a pull ahead, not looked up since
-        self._mark = np.zeros(total, dtype=np.int8)  # scratch of a fill (kernels.fill)
-        self.started: dict[int, list[np.ndarray]] = {}  # step -> slots that began holding
-        self.geometry = {n: (int(c), int(b)) for n, c, b in zip(self.names, self.caps, self.base)}
-        self._placed: list[_Batch] = []  # the last batches placed (this lookup, the next two)
-
-    def place(self, rows: dict[str, torch.Tensor]) -> "_Batch":
-        """The rows of some of these tables, concatenated in table order, with their slots
-        (worked out once for the same row tensors: a push asks ahead for the very rows its
-        lookup will name)."""
-        names = [n for n in self.names if n in rows]
-        tensors = [rows[n] for n in names]
-        for b in self._placed:
-            if b.names == names and all(a is t for a, t in zip(b.tensors, tensors)):
-                return b
-        parts = [t.numpy() for t in tensors]
-        slots = []
-        for n, p in zip(names, parts):
-            cap, base = self.geometry[n]
-            s = p % cap
-            if base:
-                s += base
-            slots.append(s)
-        b = _Batch(names, tensors, np.concatenate(parts) if len(parts) > 1 else parts[0],
-                   np.concatenate(slots) if len(slots) > 1 else slots[0])
-        self._placed = self._placed[-2:] + [b]
-        return b
-
-    def lookup(self, b: "_Batch", now: int, staleness: int, clear: bool = False) -> tuple:
-        """(whether each row is in its slot, whether it is fresh at step `now`, how many are
-        fresh, how many of those are hits); `clear`: for a forward (see kernels.look)."""
-        cached = np.empty(b.rows.size, dtype=bool)
-        fresh = np.empty(b.rows.size, dtype=bool)
-        n, hits = self.kernels.look(self.row, self.pulled_at, self.ahead, b.slots, b.rows, now,
-                                    staleness, clear, cached, fresh)
-        return cached, fresh, n, hits
-
-    def held_slots(self, b: Optional["_Batch"]) -> np.ndarray:
-        """The slots the rows of `b` are in now."""
-        if b is None:
-            return np.zeros(0, dtype=np.int64)
-        return b.slots[self.row[b.slots] == b.rows]
-
-    def fill(self, rows: np.ndarray, slots: np.ndarray, values: np.ndarray, at: int,
-             keep: np.ndarray, ahead: bool = False) -> tuple[tuple, np.ndarray]:
-        """Put missed `rows` (read at step `at`) in their `slots`, except the slots in `keep`
-        (held by rows still to be looked up or pushed) and a slot an earlier row takes. Returns
-        (displaced rows that held gradients: (tables, rows, sums)) and the positions placed.
-        `ahead`: pulled ahead of their lookup (not hits when it finds them)."""
-        placed, s, old, sums = self.kernels.fill(
-            self.row, self.values, self.pulled_at, self.pending, self.pending_since, self.ahead,
-            self._mark, rows, slots, np.ascontiguousarray(values, dtype=np.float32), at, keep,
-            ahead)
-        return (self.table_of(s), old, sums), placed
-
-    def table_of(self, slots: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.base, slots, side="right") - 1
-
-    def hold(self, b: "_Batch", grads: np.ndarray, now: int) -> np.ndarray:
-        """Add the gradients of the rows of `b` that are in their slots to their held sums;
-        returns the positions of the others (pushed now)."""
-        began, missed = self.kernels.hold(self.row, self.pending, self.pending_since, b.slots,
-                                          b.rows, grads, now)
-        if began.size:
-            self.started.setdefault(now, []).append(began)
-        return missed
-
-    def take_due(self, now: int, staleness: int, everything: bool) -> tuple:
-        """The held gradients due at `now` (held `staleness` steps, or all of them): (tables,
-        rows, sums), cleared here."""
-        if everything:
-            slots = np.arange(self.row.size, dtype=np.int64)
-            since = np.full(slots.size, -1, dtype=np.int64)
-            self.started = {}
-        else:
-            parts, steps = [], []
-            for step in [k for k in self.started if now - k >= staleness]:
-                for p in self.started.pop(step):  # (not since re-filled, or taken)
-                    parts.append(p)
-                    steps.append(np.full(p.size, step, dtype=np.int64))
-            if not parts:
-                return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
-                        np.zeros((0, self.dim), dtype=np.float32))
-            slots, since = np.concatenate(parts), np.concatenate(steps)
-        s, rows, sums = self.kernels.take(self.row, self.pending, self.pending_since, slots,
-                                          since)
-        return self.table_of(s), rows, sums
-
-
-class _Batch:
-    """Some tables' rows, concatenated in table order, with their slots."""
-
-    def __init__(self, names, tensors, rows, slots):
-        self.names, self.tensors, self.rows, self.slots = names, tensors, rows, slots
-        ends = np.cumsum([t.numel() for t in tensors]).tolist()
-        self.bounds = list(zip([0] + ends[:-1], ends))
-
-    def split(self, a: np.ndarray) -> list[np.ndarray]:
-        """An array along the rows -> one piece per table (views)."""
-        return [a[i:j] for i, j in self.bounds] if len(self.bounds) > 1 else [a]
+def holds_gradients(sparse) -> bool:
+    """Whether the workers' row caches hold gradients (write-back) under this sparse config."""
+    return sparse.cache_rows > 0 and sparse.cache_staleness > 0 and sparse.cache_writes == "hold"
 
 
 class RowCache:
@@ -181,6 +73,8 @@ class RowCache:
             flush_all
         self.hold = hold  # False: write-through, every gradient pushed in its own step
         self.stats, self.capacity, self.specs = stats, capacity, list(specs)
+        self.groups: list[_Slots] = []
+        self._evicted: list[tuple] = []
         self.bind(client)
 
     def bind(self, client) -> None:
@@ -189,6 +83,7 @@ class RowCache:
         # clock() + 1, on values read at clock(), and the rows asked with a push are those of
         # the lookup two steps on
         self.client, self.lag = client, getattr(client, "lag", 0)
+        self.stats.cache_grads_dropped += self.units_held()  # (dropped with the old epoch)
         dims: dict[int, list[TableSpec]] = {}
         for s in self.specs:
             dims.setdefault(s.dim, []).append(s)
@@ -196,7 +91,13 @@ class RowCache:
         self._step: dict[int, _Batch] = {}  # group -> the last training lookup
         self._coming: dict[int, tuple] = {}  # group -> (the rows asked ahead for, which asked)
         self._spill: dict[str, tuple] = {}  # rows pulled ahead that found no slot, values
-        self._evicted: list[tuple] = []  # (group, (tables, rows, sums)) to push next
+        self._evicted = []  # (group, (tables, rows, sums, units)) to push next
+        self._flight: Optional[held.Flight] = None  # what the last push carried (hold)
+
+    def units_held(self) -> int:
+        """Step gradients held here now (in the slots, or evicted and not yet pushed)."""
+        return int(sum(g.units.sum() for g in self.groups)
+                   + sum(p[3].sum() for _, p in self._evicted))
 
     def _by_group(self, rows: dict[str, torch.Tensor]) -> list[tuple[int, _Slots, _Batch]]:
         out = []
@@ -276,6 +177,13 @@ class RowCache:
         replies' version (the lookup they are for then finds them fresh), keeping the slots of
         the rows the next push and the next lookup name."""
         self.client.receive(replies)
+        flight, self._flight = self._flight, None
+        if flight is not None and not all(r.accepted for r in replies):  # (hold)
+            if any(r.skipped for r in replies):  # non-finite: dropped whole, as before
+                self.stats.cache_grads_dropped += flight.units
+            else:  # stale, or past the end: the sums of earlier steps wait for the next push
+                refused = np.array([not r.accepted for r in replies], dtype=bool)
+                self.stats.cache_grads_dropped += held.give_back(self, flight, refused)
         got = self.client.take_ahead() if self.capacity else None
         coming, self._coming = self._coming, {}
         if got is None:
@@ -330,16 +238,15 @@ class RowCache:
         self._coming = {}
         ahead = self._misses(ahead, now + 1 + self.lag) if ahead else None
         step, self._step = self._step, {}
+        self._flight = None
         if void:  # the PS discards this push: what is held stays held for the next one
             return self.client.push_async({}, versions, loss, samples, ticket, void=True,
                                           ahead=ahead)
         if not self.hold:  # write-through: the cache only serves reads
             return self.client.push_async(grads, versions, loss, samples, ticket, ahead=ahead)
         everything = self.flush_all(now)
-        parts: dict[int, list] = {}
-        for k, gone in self._evicted:
-            parts.setdefault(k, []).append(gone)
-        self._evicted = []
+        parts = self._take_evicted()
+        flight = held.Flight()
         for k, g in enumerate(self.groups):
             b = step.get(k)
             mine = [n for n in g.names if n in grads]
@@ -351,21 +258,57 @@ class RowCache:
             if b is not None:
                 gn = np.concatenate([grads[n][1].numpy() for n in b.names])
                 missed = g.hold(b, gn, now)
+                self.stats.cache_grads += b.rows.size
                 if missed.size:
-                    parts.setdefault(k, []).append((g.table_of(b.slots[missed]),
-                                                    b.rows[missed], gn[missed]))
+                    parts.setdefault(k, []).append((g.table_of(b.slots[missed]), b.rows[missed],
+                                                    gn[missed], np.ones(missed.size, np.int64)))
             parts.setdefault(k, []).append(g.take_due(now, self.staleness, everything))
+            if b is not None:  # (what a give-back takes out again)
+                flight.own[k] = (b, gn, missed, g.taken)
+        out = self._payload(parts, flight)
+        self._flight = flight
+        return self.client.push_async(out, versions, loss, samples, ticket, ahead=ahead)
+
+    def _take_evicted(self) -> dict[int, list]:
+        parts: dict[int, list] = {}
+        for k, gone in self._evicted:
+            parts.setdefault(k, []).append(gone)
+        self._evicted = []
+        return parts
+
+    def _payload(self, parts: dict[int, list], flight: held.Flight) -> dict:
+        """{table: (rows, sums)} of the groups' pieces, merged (cache_held.merge)."""
         out = {}
         for k, pieces in parts.items():
             g = self.groups[k]
-            tabs, rows, sums = (np.concatenate([p[i] for p in pieces]) for i in range(3))
-            order = np.lexsort((rows, tabs))  # by table, rows ascending in each
-            rows, sums = rows[order], sums[order]
+            tabs, rows, sums, units = flight.sent[k] = held.merge(pieces)
             ends = np.cumsum(np.bincount(tabs, minlength=len(g.names))).tolist()
             for name, i, j in zip(g.names, [0] + ends[:-1], ends):
                 if j > i:
                     out[name] = (torch.from_numpy(rows[i:j]), torch.from_numpy(sums[i:j]))
-        return self.client.push_async(out, versions, loss, samples, ticket, ahead=ahead)
+        return out
+
+    def hand_over(self) -> None:
+        """Training is over: every gradient still held (an early stop leaves some) goes to the
+        table shards, which apply it before the final checkpoint (TableShard.take_held). Each
+        worker hands over, held gradients or none: the shards wait for every one."""
+        if not (self.capacity and self.hold):
+            return
+        parts = self._take_evicted()
+        for k, g in enumerate(self.groups):
+            parts.setdefault(k, []).append(g.take_due(0, 0, everything=True))
+        flight = held.Flight()
+        out = self._payload(parts, flight)
+        try:
+            self.client.hand_over(out)
+        except Exception as e:  # (the shards are gone: the summary shows what was held)
+            log.warning("row cache: the gradients held at the end did not reach the table "
+                        "shards: %s", first_line(e))
+            self._evicted = [(k, p) for k, p in flight.sent.items()]
+            self.stats.cache_grads_held = self.units_held()
+            return
+        self.stats.cache_grads_handed_over += flight.units
+        self.stats.cache_grads_held = self.units_held()
 
 
 def _find(sorted_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -38,12 +38,12 @@ def look(row, pulled_at, ahead, slots, rows, now, staleness, clear, cached, fres
 
 
 @njit(cache=_CACHE, nogil=True)
-def fill(row, values, pulled_at, pending, pending_since, ahead, mark, rows, slots, vals, at,
-         keep, set_ahead):
+def fill(row, values, pulled_at, pending, pending_since, units, ahead, mark, rows, slots, vals,
+         at, keep, set_ahead):
     """Put `rows` (values `vals`, read at step `at`) in their `slots`, except a slot in `keep`
     held by another row and a slot an earlier one of `rows` took. A row displaced with held
     gradients leaves with them. Returns (positions placed, displaced slots, their rows, their
-    held sums); `mark` is scratch, all zero before and after."""
+    held sums, the step gradients in each); `mark` is scratch, all zero before and after."""
     n = slots.size
     for j in range(keep.size):
         mark[keep[j]] = 1
@@ -51,6 +51,7 @@ def fill(row, values, pulled_at, pending, pending_since, ahead, mark, rows, slot
     gone_slots = np.empty(n, np.int64)
     gone_rows = np.empty(n, np.int64)
     gone_sums = np.empty((n, values.shape[1]), np.float32)
+    gone_units = np.empty(n, np.int64)
     n_placed = n_gone = 0
     for i in range(n):
         s, r = slots[i], rows[i]
@@ -62,9 +63,11 @@ def fill(row, values, pulled_at, pending, pending_since, ahead, mark, rows, slot
                 gone_slots[n_gone] = s
                 gone_rows[n_gone] = old
                 gone_sums[n_gone] = pending[s]
+                gone_units[n_gone] = units[s]
                 n_gone += 1
             pending[s] = 0
             pending_since[s] = -1
+            units[s] = 0
             row[s] = r
         values[s] = vals[i]
         pulled_at[s] = at
@@ -76,14 +79,15 @@ def fill(row, values, pulled_at, pending, pending_since, ahead, mark, rows, slot
         mark[keep[j]] = 0
     for j in range(n_placed):
         mark[slots[placed[j]]] = 0
-    return placed[:n_placed], gone_slots[:n_gone], gone_rows[:n_gone], gone_sums[:n_gone]
+    return (placed[:n_placed], gone_slots[:n_gone], gone_rows[:n_gone], gone_sums[:n_gone],
+            gone_units[:n_gone])
 
 
 @njit(cache=_CACHE, nogil=True)
-def hold(row, pending, pending_since, slots, rows, grads, now):
+def hold(row, pending, pending_since, units, slots, rows, grads, now):
     """Add the gradients of the rows that are in their slots to the slots' held sums (no slot
-    twice). Returns (the slots that began holding at `now`, the positions of the rows not in
-    their slots)."""
+    twice), one unit each. Returns (the slots that began holding at `now`, the positions of the
+    rows not in their slots)."""
     n = slots.size
     began = np.empty(n, np.int64)
     missed = np.empty(n, np.int64)
@@ -96,6 +100,7 @@ def hold(row, pending, pending_since, slots, rows, grads, now):
             continue
         for d in range(grads.shape[1]):  # (a loop: no temporary row)
             pending[s, d] += grads[i, d]
+        units[s] += 1
         if pending_since[s] < 0:
             pending_since[s] = now
             began[n_began] = s
@@ -104,13 +109,14 @@ def hold(row, pending, pending_since, slots, rows, grads, now):
 
 
 @njit(cache=_CACHE, nogil=True)
-def take(row, pending, pending_since, slots, since):
+def take(row, pending, pending_since, units, slots, since):
     """The slots of `slots` still holding since step `since[i]` (or, where since[i] < 0,
-    holding at all): (those slots, their rows, their sums), cleared here."""
+    holding at all): (those slots, their rows, their sums, their units), cleared here."""
     n = slots.size
     out_slots = np.empty(n, np.int64)
     out_rows = np.empty(n, np.int64)
     out_sums = np.empty((n, pending.shape[1]), np.float32)
+    out_units = np.empty(n, np.int64)
     k = 0
     for i in range(n):
         s = slots[i]
@@ -120,7 +126,9 @@ def take(row, pending, pending_since, slots, since):
         out_slots[k] = s
         out_rows[k] = row[s]
         out_sums[k] = pending[s]
+        out_units[k] = units[s]
         pending[s] = 0
         pending_since[s] = -1
+        units[s] = 0
         k += 1
-    return out_slots[:k], out_rows[:k], out_sums[:k]
+    return out_slots[:k], out_rows[:k], out_sums[:k], out_units[:k]

@@ -25,6 +25,7 @@ from psrpc.cluster import comm, membership, sidechannel
 from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.config import Config
+from psrpc.errors import PsrpcError
 from psrpc.factories import Data
 from psrpc.sparse.rows import mean_rows
 from psrpc.sparse.tables import find_tables
@@ -68,7 +69,12 @@ class Worker(Replica):
         self.accumulate = cfg.train.accumulate
         self.pipelined = bool(self.tables) and self.allreduce is not None and self.sync \
             and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model) \
-            and self.accumulate == 1
+            and self.accumulate == 1 and cfg.sparse.pull_ahead != "off"
+        if cfg.sparse.pull_ahead == "on" and not self.pipelined:  # (the rest: validate.py)
+            raise PsrpcError("sparse.pull_ahead=on: this model cannot pull ahead ("
+                             + ("it has no embedding tables)" if not self.tables else
+                                "its buffers (BatchNorm's) or train.accumulate make it step "
+                                "one at a time)"))
         if self.tables:
             self.rows = self._row_client(plan)
             sp = cfg.sparse
@@ -343,6 +349,8 @@ class Worker(Replica):
             self.nonfinite.after_push(any(r.skipped for r in replies), step, loss)
             if not ended and after_step(replies[0], t2 - t1, loss):
                 break
+        if isinstance(self.rows, RowCache):  # what it still holds (an early stop) to the PS
+            self.rows.hand_over()
         if self.allreduce is not None:
             self.stats.dense_digest = self.allreduce.digest()
             self.stats.dense_group = self.allreduce.kind()

@@ -35,6 +35,14 @@ class WorkerStats:
     sparse_bytes: int = 0  # both, in bytes (an int64 id and the row's float32 values each)
     cache_lookups: int = 0  # rows looked up in the hot-row cache (sparse.cache_rows)
     cache_hits: int = 0  # of those, served from it
+    # sparse.cache_writes=hold: step gradients of rows (one per row and step) handed to the
+    # cache; of those dropped (with a push the shards did not apply: its own step's, or all of a
+    # non-finite one; or with the cache at a new membership epoch), still held when training
+    # ended (handed over then), and held after the hand-over (0: none left behind)
+    cache_grads: int = 0
+    cache_grads_dropped: int = 0
+    cache_grads_handed_over: int = 0
+    cache_grads_held: int = 0
     table_rpcs: int = 0  # messages to the table shards (pulls and pushes)
     side_channel: int = 0  # of those, pushes through a side channel (a PS on this host)
     dense_digest: Optional[str] = None  # update.dense=allreduce: the replica's, at the end

@@ -127,6 +127,24 @@ class RowClient:
             futures.append(_results(sent, riders[k][3] if k in riders else None))
         return futures
 
+    def hand_over(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """{table: (unique global rows, sums)} a row cache still held when training ended, to
+        every server (empty where none of its rows: each waits for every worker's); returns
+        once each has taken them (TableShard.take_held)."""
+        per = self._split({n: g[0] for n, g in grads.items()})
+        self._count("pushed", ((n, g[0]) for n, g in grads.items()))
+        futures = [comm.invoke(self.shards[k], "take_held", self.worker,
+                               {n: (local, grads[n][1] if pos is None else grads[n][1][pos])
+                                for n, (pos, local) in parts.items()},
+                               timeout_s=self.timeout_s) for k, parts in enumerate(per)]
+        for k, fut in enumerate(futures):
+            try:
+                fut.wait()
+            except Exception as e:
+                raise PsrpcError(f"worker{self.worker}: handing the held row gradients to "
+                                 f"{comm.owner_name(self.shards[k])} failed: "
+                                 f"{first_line(e)}") from e
+
     def ride(self, k: int, target, method: str, args: tuple) -> torch.futures.Future:
         """A call to another object of server k's PS (the clock shard) that goes in the same
         message as the next push to server k; the Future of its result."""
