@@ -6,6 +6,8 @@ the whole run."""
 import json
 import sys
 
+import pytest
+
 from benchmarks import common
 
 META = {"command": "python -m benchmarks.x", "commit": "abc1234", "date": "2026-12-01 10:00:00",
@@ -36,6 +38,7 @@ def test_without_matplotlib_the_tables_are_written_and_one_line_says_how_to_inst
 
 
 def test_with_matplotlib_the_plot_is_written_too(tmp_path):
+    pytest.importorskip("matplotlib", reason='the plot needs pip install -e ".[bench]"')
     common.write_results(tmp_path, META, ROWS, ["system", "samples_per_s"], "A benchmark",
                          plot=_plot)
     assert (tmp_path / "plot.png").stat().st_size > 0
