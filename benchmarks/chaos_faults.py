@@ -110,7 +110,7 @@ class Run:
         return left
 
     def segments(self) -> list[str]:
-        return sorted(p.name for p in shm.SHM_DIR.glob(f"psrpc-{self.proc.pid}x*"))
+        return sorted(p.name for p in shm.directory().glob(f"psrpc-{self.proc.pid}x*"))
 
     def kill_all(self) -> None:
         try:

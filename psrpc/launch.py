@@ -109,10 +109,12 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     store = host_store("127.0.0.1", port, cfg.cluster.init_timeout_s)
     if cfg.cluster.shm != "off" and shm.available():
         shm.remove_stale()  # runs on this host whose processes are all gone (kill -9 of a run)
+        shm.hold(topo.shm_run, "launcher")  # alive for the whole run, while a lone PS restarts
     try:
         return _attempts(cfg, topo, out_dir, replica_cls, store, timeout_s)
     finally:
-        shm.remove(topo.shm_run, untrack=True)  # every rank is gone: its shared memory too
+        shm.remove(topo.shm_run)  # every rank is gone: its shared memory too
+        shm.release(topo.shm_run)
 
 
 def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
@@ -129,7 +131,7 @@ def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
                        f"cluster.max_ps_restarts={cfg.cluster.max_ps_restarts} used up")
                 raise ClusterFailed(f"{e} ({why})") from None
             attempt += 1
-            shm.remove(topo.shm_run, untrack=True)  # every rank is gone; the new group creates its own
+            shm.remove(topo.shm_run)  # every rank is gone; the new group creates its own
             log.warning("%s: starting every process again, training resumes from the last "
                         "checkpoint (restart %d of %d)", e, attempt, cfg.cluster.max_ps_restarts)
 

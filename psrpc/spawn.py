@@ -16,10 +16,11 @@ import time
 import traceback
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
-from psrpc.cluster import membership
+from psrpc.cluster import membership, shm
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config
 from psrpc.environment import env_defaults
@@ -31,11 +32,12 @@ HELPER_STOP_S = 5.0  # the forkserver and resource tracker leave in milliseconds
 LAUNCHER_WATCH_S = 0.5  # how often a rank checks that its launcher is still there
 
 
-def die_with_launcher(pid: int, created: float) -> None:
+def die_with_launcher(pid: int, created: float, shm_run: Optional[str] = None) -> None:
     """Leave at once when the launcher is gone (even killed with SIGKILL): no rank trains on as
-    an orphan. The ranks' parent is multiprocessing's forkserver, which itself stays until every
-    rank has left, so the parent-death signal cannot do this; a thread watches the launcher's
-    pid (and its start time, so a reused pid does not count)."""
+    an orphan, and the run's shared memory (`shm_run`) goes with it. The ranks' parent is
+    multiprocessing's forkserver, which itself stays until every rank has left, so the
+    parent-death signal cannot do this; a thread watches the launcher's pid (and its start
+    time, so a reused pid does not count)."""
     def watch():
         while True:
             time.sleep(LAUNCHER_WATCH_S)
@@ -45,6 +47,8 @@ def die_with_launcher(pid: int, created: float) -> None:
                 alive = False
             if not alive:
                 log.error("the launcher (pid %d) is gone; leaving", pid)
+                if shm_run:  # the run is over: every rank removes what is left, the first wins
+                    shm.remove(shm_run)
                 os._exit(1)
 
     threading.Thread(target=watch, name="psrpc-launcher-watch", daemon=True).start()
@@ -54,7 +58,7 @@ def child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_cl
            launcher: tuple[int, float]) -> None:
     """Entry of one rank's process (`launcher`: the launcher's pid and start time)."""
     membership.install_wakeup()  # first: until now SIGUSR1 was ignored (forkserver_preload)
-    die_with_launcher(*launcher)
+    die_with_launcher(*launcher, topo.shm_run)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it
     try:
         run_rank(cfg, topo, Path(out_dir), replica_cls)

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from psrpc.cluster import shm
+from psrpc.cluster import shm, shmdir
 from psrpc.errors import PsrpcError
 from tests.conftest import assert_equal_model, run_cluster
 from tests.unit_helpers import sgd, sync
@@ -23,7 +23,15 @@ pytestmark = pytest.mark.timeout(300)
 def _ours(launcher: int = os.getpid()) -> set[str]:
     """The segments of runs whose launcher is `launcher` (a run's segments are named after
     it: psrpc-<pid>x<random>-...), not those of any other psrpc run on this machine."""
-    return {p.name for p in shm.SHM_DIR.glob(f"psrpc-{launcher}x*")}
+    return {p.name for p in shm.directory().glob(f"psrpc-{launcher}x*")}
+
+
+def _wait_for_segments(launcher: int, timeout_s: float = 120) -> None:
+    """Until the run's PS has made its segments (the launcher's lock file comes first)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(".lock" not in n for n in _ours(launcher)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert any(".lock" not in n for n in _ours(launcher)), "the run made no segment"
 
 
 @pytest.mark.parametrize("mode", [
@@ -77,17 +85,16 @@ def test_no_segment_outlives_a_killed_process(tmp_path, victim):
     """SIGKILL of a rank (it rejoins) or of the launcher itself (every rank leaves within a
     second: none trains on as an orphan):
     /dev/shm holds none of the run's segments afterwards (the launcher removes them, or
-    multiprocessing's resource tracker does when every process of the run is gone)."""
+    every rank does as it leaves when the launcher is gone)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "psrpc", "train.steps=100000", "train.device=cpu",
          "cluster.shm=on", f"out_dir={tmp_path / 'out'}"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not _ours(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _ours(proc.pid), "the run made no segment"
+        _wait_for_segments(proc.pid)
         time.sleep(1.0)
+        (lock,) = [n for n in _ours(proc.pid) if n.endswith("-launcher.lock")]
+        assert not shmdir._unheld(lock), "the launcher does not keep its run alive"
         if victim == "launcher":
             os.kill(proc.pid, signal.SIGKILL)
         else:
@@ -101,9 +108,18 @@ def test_no_segment_outlives_a_killed_process(tmp_path, victim):
         while _ours(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _ours(proc.pid), f"left in /dev/shm: {sorted(_ours(proc.pid))}"
-        ranks = [p for p in psutil.process_iter(["name", "cwd"])
-                 if (p.info["name"] or "").startswith("psrpc-") and p.info["cwd"] == str(tmp_path)]
-        assert not ranks, f"ranks outlived the launcher: {ranks}"
+        def ranks():
+            out = []
+            for p in psutil.process_iter(["name", "cwd", "status"]):
+                if (p.info["name"] or "").startswith("psrpc-") and p.info["cwd"] == str(
+                        tmp_path) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            return out
+
+        deadline = time.monotonic() + 20  # each rank checks its launcher every 0.5 s
+        while ranks() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ranks(), f"ranks outlived the launcher: {ranks()}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -113,9 +129,10 @@ def test_no_segment_outlives_a_killed_process(tmp_path, victim):
 def test_a_planted_symlink_is_never_followed_or_truncated(tmp_path):
     victim = tmp_path / "precious"
     victim.write_bytes(b"do not truncate")
+    assert shm.problem() is None
     run = shm.new_run()
     name = shm.segment(run, 0, "params")
-    (shm.SHM_DIR / name).symlink_to(victim)
+    (shm.directory() / name).symlink_to(victim)
     try:
         with pytest.raises(PsrpcError, match="already exists"):
             shm.create(name, 1024, b"n" * shm.NONCE_BYTES)
@@ -123,22 +140,23 @@ def test_a_planted_symlink_is_never_followed_or_truncated(tmp_path):
             shm.attach(name, 4)
         assert victim.read_bytes() == b"do not truncate"
     finally:
-        (shm.SHM_DIR / name).unlink()
+        (shm.directory() / name).unlink()
 
 
 def test_a_segment_is_mapped_only_if_it_is_what_the_ps_created():
     run, nonce = shm.new_run(), b"a" * shm.NONCE_BYTES
     name = shm.segment(run, 0, "g0")
+    assert shm.problem() is None
     try:
         shm.create(name, 8, nonce)
-        assert (shm.SHM_DIR / name).stat().st_mode & 0o777 == 0o600
+        assert (shm.directory() / name).stat().st_mode & 0o777 == 0o600
         shm.check(name, 8, nonce)
         assert shm.attach(name, 8).numel() == 8
         with pytest.raises(shm.SegmentProblem, match="nonce differs"):  # another PS's file
             shm.check(name, 8, b"b" * shm.NONCE_BYTES)
         with pytest.raises(shm.SegmentProblem, match="holds 32 bytes, not 64"):
             shm.attach(name, 16)
-        os.chmod(shm.SHM_DIR / name, 0o644)
+        os.chmod(shm.directory() / name, 0o644)
         with pytest.raises(shm.SegmentProblem, match="has mode 644"):
             shm.attach(name, 8)
         # Another /dev/shm (a container with the same host name and boot id): not there.
@@ -154,8 +172,6 @@ def test_stale_runs_are_removed_and_live_ones_kept():
     nonce = b"x" * shm.NONCE_BYTES
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from psrpc.cluster import shm; "
-        # as a rank of a run killed whole: no resource tracker outlives it to remove the lock
-        "shm._track = lambda name: None; "
         f"shm.hold('{dead}', 'ps0'); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -166,7 +182,7 @@ def test_stale_runs_are_removed_and_live_ones_kept():
         for run in (dead, live, starting):
             shm.create(shm.segment(run, 0, "params"), 4, nonce)
         assert dead in shm.remove_stale()  # (and any other dead run on this host)
-        left = {p.name for p in shm.SHM_DIR.glob("psrpc-*")}
+        left = {p.name for p in shm.directory().glob("psrpc-*")}
         assert not any(dead in n for n in left)
         assert shm.segment(live, 0, "params") in left and shm.segment(starting, 0, "params") in left
     finally:
@@ -177,18 +193,16 @@ def test_stale_runs_are_removed_and_live_ones_kept():
 
 
 def test_kill_9_of_a_whole_run_leaves_nothing_after_the_next_run(tmp_path):
-    """SIGKILL of the launcher and every rank at once (a job scheduler, the OOM killer): the
-    resource tracker dies with them and the segments stay, until the next run on the host
-    removes them."""
+    """SIGKILL of the launcher and every rank at once (a job scheduler, the OOM killer): nobody
+    is left to remove the segments, which stay until the next run on the host removes them (no
+    lock of the killed run is held)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "psrpc", "train.steps=100000", "train.device=cpu",
          "cluster.shm=on", f"out_dir={tmp_path / 'killed'}"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)  # its own process group, killed whole below
     try:
-        deadline = time.monotonic() + 120
-        while not _ours(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_for_segments(proc.pid)
         time.sleep(1.0)
         group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         for pid in group:  # all at once: nobody is left to clean up

@@ -15,57 +15,55 @@ update touches before every worker of the round has pushed again (after its back
 them). With backup workers or async updates the master copy can change while a worker computes,
 so its parameters come in the reply, a snapshot, as over TCP.
 
-The segments are files under /dev/shm named after the run (`psrpc-<id>-...`), created by the
-PS that holds the shard (asked by the chief, before the shards exist) and registered with
-multiprocessing's resource tracker, which removes them if the process is killed. The PS removes
-them when it leaves, and the local launcher removes whatever is left of the run at its end. A
-PS or worker started again (a membership epoch) maps the same files.
+The segments are files in this user's private directory, /dev/shm/psrpc-<uid> (mode 0700,
+psrpc/cluster/shmdir.py), named after the run (`psrpc-<run>-...`), created by the PS that holds
+the shard (asked by the chief, before the shards exist). The PS removes them when it leaves, the
+local launcher removes whatever is left of the run at its end, and a rank whose launcher is gone
+removes the run's files before it leaves. A PS or worker started again (a membership epoch) maps
+the same files. Every process that keeps the run alive on the host holds a lock file there
+(shmdir.py); a run whose locks are all free is dead, and the next run removes its files.
 
-/dev/shm is world-writable, so nothing there is trusted: a segment is created exclusively
-(O_EXCL | O_NOFOLLOW, mode 0600: a planted file or symlink is an error, never truncated or
-followed), and mapped only after checking that it is a regular file of this user, 0600, of the
-expected size, through the descriptor that was checked (no second lookup of the name). The PS
-writes a random nonce into each new segment, and the chief asks every worker to read it back
-before the plan uses shared memory: a worker that sees another file, or none (a container with
-the same host name and boot id but its own /dev/shm), uses TCP instead (or, with
-cluster.shm=on, the run stops with the reason).
-
-Each PS holds an exclusive lock (flock) on `psrpc-<run>-ps<k>.lock` for as long as it lives;
-the kernel drops it when the process dies, even by SIGKILL. A run whose lock files are all
-unheld has no PS left on this host: the next run's PS removes its segments (`remove_stale`),
-which is what cleans up after a whole run killed at once (a job scheduler, the OOM killer),
-whose resource tracker died with it.
+Nothing found there is trusted: a segment is created exclusively (O_EXCL | O_NOFOLLOW, mode
+0600: a file or symlink already there is an error, never truncated or followed), and mapped only
+after checking that it is a regular file of this user, 0600, of the expected size, through the
+descriptor that was checked (no second lookup of the name). The PS writes a random nonce into
+each new segment, and the chief asks every worker to read it back before the plan uses shared
+memory: a worker that sees another file, or none (a container with the same host name and boot
+id but its own /dev/shm), uses TCP instead (or, with cluster.shm=on, the run stops with the
+reason).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import glob
 import logging
 import os
+import platform
 import secrets
 import socket
 import stat
 import struct
-from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from psrpc.cluster.shmdir import (available, directory, held, hold, problem, release, remove,
+                                  remove_stale, unlink)
 from psrpc.cluster.topology import replicas
 from psrpc.errors import PsrpcError
 
+__all__ = ["available", "directory", "held", "hold", "problem", "release", "remove",
+           "remove_stale", "unlink"]  # (where the segments live: shmdir.py)
 log = logging.getLogger("psrpc")
-SHM_DIR = Path("/dev/shm")
 SLOT = "slot"  # what a push carries instead of a gradient: "read my slot"
 # What a push carries when the worker's gradient was computed across an update of a master copy
 # it reads in place (see `WriteSeq`): "discard my gradient of this step" (sync rounds only).
 VOID = "void"
 SEQ_ELEMS = 16  # after a master copy, 64 bytes: its write sequence (one int64), then padding
 NONCE_BYTES = 16
-_TRACKED: set[str] = set()  # the names this process registered with the resource tracker
+# Machines whose memory ordering the seqlock (`writing`) relies on: stores are seen in order (TSO)
+ORDERED = ("x86_64", "amd64", "i386", "i486", "i586", "i686")
 
 
 class SegmentProblem(PsrpcError):
@@ -77,11 +75,6 @@ def new_run() -> str:
     return f"{os.getpid()}x{secrets.token_hex(3)}"
 
 
-def available() -> bool:
-    """A shared-memory file system to map segments from (Linux)."""
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
-
-
 def segment(run: str, shard: int, what: str) -> str:
     """The file name of a segment: what = "params", or "g<worker>" for a gradient slot."""
     return f"psrpc-{run}-s{shard}-{what}"
@@ -90,9 +83,11 @@ def segment(run: str, shard: int, what: str) -> str:
 def create(name: str, numel: int, nonce: bytes) -> None:
     """A new float32 segment of `numel` elements, this user's only (0600), with `nonce` in its
     first bytes (overwritten once the shard fills it); an error if the name exists at all (a
-    file, or a symlink planted to make psrpc truncate another file). Registered with the
-    resource tracker, which removes it if every process that could remove it is killed."""
-    path = SHM_DIR / name
+    file, or a symlink planted to make psrpc truncate another file). The run's lock files say
+    when nobody is left to remove it (shmdir.py)."""
+    if (why := problem()) is not None:
+        raise PsrpcError(f"cannot create shared memory: {why}")
+    path = directory() / name
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
@@ -105,25 +100,13 @@ def create(name: str, numel: int, nonce: bytes) -> None:
         os.pwrite(fd, nonce, 0)
     finally:
         os.close(fd)
-    _track(name)
-
-
-def _track(name: str) -> None:
-    """Registered with multiprocessing's resource tracker, which removes the file if every
-    process that could remove it is killed (the launcher's cleanup, or the next run's, does
-    otherwise)."""
-    try:
-        resource_tracker.register("/" + name, "shared_memory")
-        _TRACKED.add(name)
-    except Exception:
-        pass
 
 
 def _open_checked(name: str, numel: int) -> int:
     """A descriptor of segment `name`, after checking it is what psrpc created: a regular file
     (not a symlink), owned by this user, mode 0600, `numel` float32 elements. Raises
     SegmentProblem saying what is wrong."""
-    path = SHM_DIR / name
+    path = directory() / name
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -151,17 +134,22 @@ def check(name: str, numel: int, nonce: bytes) -> None:
     finally:
         os.close(fd)
     if seen != nonce:
-        raise SegmentProblem(f"{SHM_DIR / name} is not the PS's (its nonce differs: another "
+        raise SegmentProblem(f"{directory() / name} is not the PS's (its nonce differs: another "
                              "/dev/shm with the same host name and boot id?)")
 
 
-def check_all(segments: list[tuple[str, int, bytes]]) -> Optional[str]:
+def check_all(segments: list[tuple[str, int, bytes]], run: Optional[str] = None,
+              who: Optional[str] = None) -> Optional[str]:
     """Called by the chief on a worker with (name, elements, its PS's nonce) of each segment the
-    worker would map: None when every one checks out here, else why not."""
+    worker would map: None when every one checks out here, else why not. With `run` and `who`
+    (the worker's name) the worker then keeps the run alive on this host while it lives (a PS
+    being started again leaves it a live run)."""
     try:
         for name, numel, nonce in segments:
             check(name, numel, nonce)
-    except SegmentProblem as e:
+        if run is not None and who is not None:
+            hold(run, who)
+    except (PsrpcError, OSError) as e:  # (a lock: another process of that name holds it)
         return str(e)
     return None
 
@@ -215,111 +203,41 @@ def writing(seq: Optional[torch.Tensor]):
         seq.add_(1)
 
 
-def unlink(name: str, untrack: bool = False) -> bool:
-    """Delete one segment (processes that map it keep their mapping); whether it was there.
-    It leaves the resource tracker's list if this process put it there, or with `untrack`
-    (the launcher: its ranks share its tracker); never otherwise (another run's tracker)."""
-    try:
-        os.unlink(SHM_DIR / name)
-    except FileNotFoundError:
-        return False
-    if name in _TRACKED or untrack:
-        _TRACKED.discard(name)
-        try:
-            resource_tracker.unregister("/" + name, "shared_memory")
-        except Exception:
-            pass
-    return True
-
-
-def remove(run: str, untrack: bool = False) -> int:
-    """Delete every segment of `run` (and its lock files); returns how many there were."""
-    return sum(unlink(os.path.basename(p), untrack)
-               for p in glob.glob(str(SHM_DIR / f"psrpc-{run}-*")))
-
-
-_HELD: dict[str, int] = {}  # lock file name -> the descriptor that holds its lock
-
-
-def hold(run: str, who: str) -> None:
-    """Mark `run` alive on this host for as long as this process lives: an exclusive flock on
-    psrpc-<run>-<who>.lock, which the kernel releases when the process dies."""
-    name = f"psrpc-{run}-{who}.lock"
-    if name in _HELD:
-        return
-    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise PsrpcError(f"{SHM_DIR / name} is locked by another process: two ranks named "
-                         f"{who} in one run?") from None
-    os.pwrite(fd, str(os.getpid()).encode(), 0)  # for a reader: who holds it
-    _HELD[name] = fd
-    _track(name)  # removed with the segments if the whole run is killed
-
-
-def held() -> list[str]:
-    """The lock files this process holds."""
-    return list(_HELD)
-
-
-def release() -> None:
-    """This process's locks (it is leaving, its segments are removed)."""
-    for fd in _HELD.values():
-        os.close(fd)
-    _HELD.clear()
-
-
-def remove_stale() -> list[str]:
-    """Remove the segments of runs on this host that no live PS holds (every lock file of the
-    run unheld: its processes are gone); returns the runs removed. Runs without lock files are
-    left alone (they may be starting)."""
-    locks: dict[str, list[Path]] = {}
-    for path in SHM_DIR.glob("psrpc-*.lock"):
-        run = path.name[len("psrpc-"):].rsplit("-", 1)[0]
-        locks.setdefault(run, []).append(path)
-    removed = []
-    for run, paths in locks.items():
-        if all(_unheld(p) for p in paths):
-            remove(run)
-            removed.append(run)
-    if removed:
-        log.info("removed the shared memory of %d run(s) whose processes are gone: %s",
-                 len(removed), ", ".join(removed))
-    return removed
-
-
-def _unheld(path: Path) -> bool:
-    """Nobody holds `path`'s lock (tried without waiting, released at once)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
-def mode(cfg, same_host: bool) -> Optional[str]:
+def mode(cfg, same_host: bool, machine: Optional[str] = None) -> Optional[str]:
     """How a worker and a PS on `same_host` exchange a dense shard: "views" (slots, and the
     worker's parameters are views of the master copy: sync with every worker in each round),
-    "slots" (gradients through slots, parameters in the reply), or None (TCP)."""
+    "slots" (gradients through slots, parameters in the reply), or None (TCP). `machine`: the
+    host's processor (platform.machine() of the PS); views only where stores are seen in order
+    (x86), since the seqlock of `writing` has no fences."""
     setting = cfg.cluster.shm
     if setting == "off" or not same_host or cfg.update.wire_dtype != "float32":
         return None
-    if not available():
+    if (why := problem()) is not None:
         if setting == "on":
-            raise PsrpcError(f"cluster.shm=on but {SHM_DIR} is not writable here: use "
+            raise PsrpcError(f"cluster.shm=on but shared memory cannot be used here: {why}; use "
                              "cluster.shm=auto (TCP where shared memory is not available) or off")
+        _say(log.warning, "shared memory is off: %s", why)
         return None
     everyone = (cfg.update.name == "sync" and cfg.update.replicas_to_aggregate in
                 (None, replicas(cfg)))
-    return "views" if everyone else "slots"
+    if not everyone:
+        return "slots"
+    machine = (machine or platform.machine()).lower()
+    if machine not in ORDERED:
+        _say(log.info, "shared memory: slots, not views, on %s (reading the master copy in "
+             "place relies on x86's store order)", machine)
+        return "slots"
+    return "views"
+
+
+_SAID: set[str] = set()
+
+
+def _say(how, fmt: str, *args) -> None:
+    """Log a line once per process (`mode` is asked once per shard)."""
+    if (line := fmt % args) not in _SAID:
+        _SAID.add(line)
+        how("%s", line)
 
 
 def peer_uid(sock) -> tuple[int, int]:

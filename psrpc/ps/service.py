@@ -28,11 +28,14 @@ def create_shard(spec: ShardSpec) -> int:
 _SEGMENTS: list[str] = []  # the shared-memory segments this PS created
 
 
-def create_segments(run: str, ps: str, segments: list[tuple[str, int]]) -> bytes:
+def create_segments(run: str, ps: str, segments: list[tuple[str, int]]):
     """Called by the chief on a PS: create its shards' shared-memory segments (name, elements)
     of run `run`, after removing those of dead runs on this host; returns the nonce written in
-    each, which the workers check before using them. This PS marks the run alive on its host
-    while it lives and removes the segments when it leaves (psrpc/cluster/shm.py)."""
+    each, which the workers check before using them, or why this host's shared memory cannot
+    be used (a str). This PS marks the run alive on its host while it lives and removes the
+    segments when it leaves (psrpc/cluster/shm.py)."""
+    if (why := shm.problem()) is not None:
+        return why
     shm.remove_stale()
     shm.hold(run, ps)
     nonce = secrets.token_bytes(shm.NONCE_BYTES)
@@ -45,10 +48,10 @@ def create_segments(run: str, ps: str, segments: list[tuple[str, int]]) -> bytes
 def remove_segments() -> None:
     """This PS's segments and lock, when it leaves (the workers are gone or leaving: a mapped
     segment stays mapped)."""
-    for name in _SEGMENTS + list(shm.held()):
+    for name in _SEGMENTS:
         shm.unlink(name)
     _SEGMENTS.clear()
-    shm.release()
+    shm.release(remove_files=True)
 
 
 def local_shards() -> list[int]:

@@ -8,6 +8,7 @@ cuts and the step training resumes from.
 from __future__ import annotations
 
 import logging
+import platform
 from dataclasses import fields
 from typing import Callable, Optional
 
@@ -175,13 +176,15 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
     layout = Layout.concat(layouts)
     hosts = dict(zip(topo.ps_names + topo.worker_names, comm.wait_all(
         [comm.call(n, shm.host_id) for n in topo.ps_names + topo.worker_names])))
+    machines = dict(zip(topo.ps_names, comm.wait_all(
+        [comm.call(n, platform.machine) for n in topo.ps_names])))
     run = topo.shm_run or shm.new_run()
     stage_of = [s for s, lay in enumerate(layouts) for _ in range(lay.num_shards)]
     shared, segments = [], {}
     for g, (k, numel) in enumerate(zip(layout.shard_ps, layout.shard_numel)):
         ids = [r for r in range(topo.replicas)
                if hosts[topo.stage_workers(r)[stage_of[g]]] == hosts[topo.ps_names[k]]]
-        mode = shm.mode(cfg, bool(ids))
+        mode = shm.mode(cfg, bool(ids), machines[topo.ps_names[k]])
         if mode is None:
             shared.append(None)
             continue
@@ -192,6 +195,13 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
     # On the PS's host (which may not be the chief's): the PS removes them when it leaves.
     nonces = dict(zip(segments, comm.wait_all(
         [comm.call(ps, service.create_segments, (run, ps, segs)) for ps, segs in segments.items()])))
+    for ps, nonce in nonces.items():
+        if isinstance(nonce, str):  # why this PS cannot share memory (its host's /dev/shm)
+            if cfg.cluster.shm == "on":
+                raise PsrpcError(f"cluster.shm=on but {ps} cannot share memory: {nonce}")
+            log.warning("%s uses TCP: %s", ps, nonce)
+            shared = [None if x and topo.ps_names[layout.shard_ps[g]] == ps else x
+                      for g, x in enumerate(shared)]
     shared = _verified(cfg, topo, layouts, shared, nonces)
     if any(shared):
         log.info("shared memory with the PS on the same host: %d of %d shards (%s)",
@@ -219,9 +229,9 @@ def _verified(cfg: Config, topo: Topology, layouts: list[Layout], shared: list,
             names = [shm.segment(run, g, f"g{w}")] + ([shm.segment(run, g, "params")]
                                                       if mode == "views" else [])
             asks.setdefault(topo.stage_workers(w)[stage_of[g]], []).extend(
-                (n, numel, nonces[ps], g, w) for n in names)
+                (n, numel, nonces[ps], g, w, run) for n in names)
     problems = dict(zip(asks, comm.wait_all([
-        comm.call(name, shm.check_all, ([a[:3] for a in items],))
+        comm.call(name, shm.check_all, ([a[:3] for a in items], items[0][5], name))
         for name, items in asks.items()])))
     bad = {(a[3], a[4]) for name, items in asks.items() if problems[name] for a in items}
     for name, why in problems.items():
