@@ -114,7 +114,7 @@ def launch(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
         return _attempts(cfg, topo, out_dir, replica_cls, store, timeout_s)
     finally:
         shm.remove(topo.shm_run)  # every rank is gone: its shared memory too
-        shm.release(topo.shm_run)
+        shm.release(topo.shm_run, remove_files=True)
 
 
 def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
@@ -131,7 +131,8 @@ def _attempts(cfg: Config, topo: Topology, out_dir: Path, replica_cls, store,
                        f"cluster.max_ps_restarts={cfg.cluster.max_ps_restarts} used up")
                 raise ClusterFailed(f"{e} ({why})") from None
             attempt += 1
-            shm.remove(topo.shm_run)  # every rank is gone; the new group creates its own
+            shm.remove(topo.shm_run)  # every rank is gone; the new group creates its own (the
+            # launcher's lock stays: the run is alive)
             log.warning("%s: starting every process again, training resumes from the last "
                         "checkpoint (restart %d of %d)", e, attempt, cfg.cluster.max_ps_restarts)
 

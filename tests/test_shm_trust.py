@@ -160,6 +160,8 @@ def test_a_run_whose_only_ps_is_restarting_is_alive(monkeypatch, tmp_path):
         ps.wait(timeout=10)
         assert shm.remove_stale() == []
         assert shm.segment(run, 0, "params") in os.listdir(shm.directory())
+        shm.remove(run)  # the launcher starting the whole group again: its own lock stays
+        assert os.listdir(shm.directory()) == [f"psrpc-{run}-launcher.lock"]
         shm.release(run)  # the launcher is gone as well
         assert shm.remove_stale() == [run] and os.listdir(shm.directory()) == []
     finally:

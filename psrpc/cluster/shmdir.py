@@ -159,11 +159,12 @@ def _names() -> list[str]:
 
 
 def remove(run: str) -> int:
-    """Delete every file of `run` (segments and lock files; exact names only); how many."""
+    """Delete every file of `run` (segments and lock files; exact names only) but the locks
+    this process holds (it is alive: `release` removes those); how many."""
     if not _RUN_RE.fullmatch(run):
         return 0
     return sum(unlink(n) for n in _names()
-               if (m := _FILE_RE.fullmatch(n)) and m["run"] == run)
+               if (m := _FILE_RE.fullmatch(n)) and m["run"] == run and n not in _HELD)
 
 
 def remove_stale() -> list[str]:
