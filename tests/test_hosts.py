@@ -1,0 +1,121 @@
+"""Emulated hosts (benchmarks/hosts.py): each is a machine of its own to psrpc (network, PIDs,
+host name, /etc/hosts, /dev/shm, optionally its own disk), links can be shaped, cut and healed,
+a host can lose power; nothing is left behind. And psrpc across them: two hosts under torchrun
+give the local launcher's model bit for bit. Needs root; skips saying why otherwise."""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from benchmarks import hosts
+from tests.conftest import assert_equal_model, cli, on_cpu
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(hosts.missing() is not None, reason=str(hosts.missing()))]
+CONNECT = [sys.executable, "-c", "import socket, sys; s = socket.create_connection(('h0', 5000), "
+           "timeout=2); print(s.recv(2).decode())"]
+SERVE = [sys.executable, "-c", (
+    "import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('0.0.0.0', 5000)); s.listen(); print('up', flush=True)\n"
+    "while True:\n    c, _ = s.accept(); c.sendall(b'hi'); c.close()")]
+
+
+def _holders() -> list[psutil.Process]:
+    """Processes of any emulation still running on this machine (the hosts' PID 1)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if cmd.startswith("ip netns exec " + hosts.PREFIX) or (
+                "sleep infinity" in cmd and "mount --bind" in cmd):
+            out.append(p)
+    return out
+
+
+@pytest.fixture
+def nothing_left():
+    assert hosts.leftovers() == [], "an earlier emulation was not torn down"
+    yield
+    left = hosts.leftovers() + [str(p) for p in _holders()]
+    hosts.sweep()
+    assert not left, f"left behind: {left}"
+
+
+def test_each_host_is_a_machine_of_its_own(nothing_left, tmp_path):
+    disk = str(tmp_path / "disk")
+    with hosts.Hosts(2, rate_mbit=200, disk=disk) as h:
+        seen = [h.run(k, ["sh", "-c", "hostname; ip -o -4 addr show eth1; ps -e -o pid= | wc -l; "
+                                      f"touch /dev/shm/mine {disk}/mine; ls /dev/shm"])
+                for k in range(2)]
+        for k, r in enumerate(seen):
+            name, addr, procs, shm = r.stdout.split("\n")[:4]
+            assert name == f"h{k}" and f"{h.addr(k)}/24" in addr
+            assert int(procs) <= 4  # its PID 1, the shell and ps: no process of the machine's
+            assert shm == "mine"  # one file: its own /dev/shm, not the other host's
+        assert [p.name for p in h.disk(0).iterdir()] == ["mine"] and not os.listdir(disk)
+        assert "rate 200Mbit" in h.run(0, ["tc", "qdisc", "show", "dev", "eth1"]).stdout
+        h.set_rate(1, 50)
+        assert "rate 50Mbit" in h.run(1, ["tc", "qdisc", "show", "dev", "eth1"]).stdout
+
+        server = h.popen(0, SERVE, stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "up"
+        assert h.run(1, CONNECT).stdout.strip() == "hi"  # by name, through /etc/hosts
+        before = h.counters(1)
+        h.partition(1)
+        cut = h.run(1, CONNECT)
+        assert cut.returncode != 0 and "timed out" in cut.stderr  # silence, not a refusal
+        h.heal(1)
+        assert h.run(1, CONNECT).stdout.strip() == "hi"
+        assert h.counters(1)["tx_bytes"] > before["tx_bytes"]
+
+        h.power_off(0)  # every process of host 0 at once
+        assert server.wait(timeout=10) != 0
+        h.power_on(0)
+        assert h.run(0, ["ls", "/dev/shm"]).stdout == ""  # a fresh boot: an empty /dev/shm
+        assert [p.name for p in h.disk(0).iterdir()] == ["mine"]  # its disk kept
+
+
+def test_an_error_or_ctrl_c_inside_tears_everything_down(nothing_left):
+    for exc in (RuntimeError("a test failed"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with hosts.Hosts(2) as h:
+                h.popen(1, ["sleep", "60"])
+                raise exc
+        assert hosts.leftovers() == [] and not _holders()
+
+
+@pytest.mark.slow
+def test_two_hosts_under_torchrun_equal_the_local_launcher(nothing_left, tmp_path):
+    """Two emulated hosts, a torchrun agent on each (c10d rendezvous on h0, ranks on eth1), 1 PS
+    and 3 workers: ps0 and worker0 share h0 (shared memory), worker1 and worker2 are on h1 (TCP
+    through the bridge). The model equals the local launcher's bit for bit."""
+    args = on_cpu(["train.steps=20", "train.batch_size=16", "data.size=2048",
+                   "data.test_size=256", "cluster.num_workers=3", "cluster.worker_threads=1"])
+    local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
+    assert local.returncode == 0, local.stderr
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    with hosts.Hosts(2) as h:
+        errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
+        agents = [h.popen(k, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=hosts",
+            f"--local-addr={h.addr(k)}", "-m", "psrpc", *args, "cluster.interface=eth1"],
+            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errs[k]) for k in range(2)]
+        deadline = time.monotonic() + 200
+        while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        codes = [a.poll() for a in agents]
+        traffic = [h.counters(k) for k in range(2)]
+    logs = "".join((tmp_path / f"h{k}.err").read_text()[-3000:] for k in range(2))
+    assert codes == [0, 0], logs
+    assert "shared memory with the PS on the same host: 1 of 1 shards" in logs
+    # the two remote workers' pushes and pulls crossed the bridge: 1.08 MB each, 20 steps
+    assert traffic[0]["tx_bytes"] > 2 * 20 * 1.0e6 and traffic[1]["tx_bytes"] > 2 * 20 * 1.0e6
+    a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "outputs" / "torchrun" / "hosts" / "model.pt", weights_only=True)
+    assert_equal_model(a, b)
