@@ -119,3 +119,39 @@ def test_two_hosts_under_torchrun_equal_the_local_launcher(nothing_left, tmp_pat
     a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "outputs" / "torchrun" / "hosts" / "model.pt", weights_only=True)
     assert_equal_model(a, b)
+
+
+@pytest.mark.slow
+def test_three_hosts_of_srun_style_tasks_equal_the_local_launcher(nothing_left, tmp_path):
+    """One task per emulated host with the variables srun gives them (SLURM_NODELIST=h[0-2];
+    task 0 on h0 hosts the store): ps0 on h0, worker0 on h1, worker1 on h2, every byte between
+    them over TCP through the bridge. The model equals the local launcher's bit for bit."""
+    from tests.test_multinode import _slurm_job_id
+
+    args = on_cpu(["train.steps=20", "train.batch_size=16", "data.size=2048",
+                   "data.test_size=256", "cluster.worker_threads=1"])
+    local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
+    assert local.returncode == 0, local.stderr
+    job = _slurm_job_id()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in (
+        "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    with hosts.Hosts(3) as h:
+        errs = [open(tmp_path / f"h{k}.err", "w") for k in range(3)]
+        tasks = [h.popen(k, [sys.executable, "-m", "psrpc", *args, "cluster.interface=eth1"],
+                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=errs[k], env={
+            **env, "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(k),
+            "SLURM_LOCALID": "0", "SLURM_NODEID": str(k), "SLURM_NTASKS": "3",
+            "SLURM_TASKS_PER_NODE": "1(x3)", "SLURM_NODELIST": "h[0-2]",
+            "SLURM_STEP_NODELIST": "h[0-2]"}) for k in range(3)]
+        deadline = time.monotonic() + 200
+        while any(t.poll() is None for t in tasks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        codes = [t.poll() for t in tasks]
+        traffic = [h.counters(k) for k in range(3)]
+    logs = "".join((tmp_path / f"h{k}.err").read_text()[-3000:] for k in range(3))
+    assert codes == [0, 0, 0], logs
+    assert "shared memory with the PS" not in logs  # no worker shares ps0's host
+    assert all(t["rx_bytes"] > 20 * 1.0e6 for t in traffic[1:])  # each worker's pulls
+    a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "outputs" / "slurm" / f"{job}.0" / "model.pt", weights_only=True)
+    assert_equal_model(a, b)
