@@ -207,13 +207,16 @@ def _answer(peers: list[str]) -> list[bool]:
 def fetch_plan(cfg: Config, topo: Topology, epoch: int):
     """The chief's plan for membership epoch `epoch` (it answers once the shards are ready)."""
     try:
-        return comm.call_sync(topo.chief_name, chief.get_plan, (epoch,),
+        plan = comm.call_sync(topo.chief_name, chief.get_plan, (epoch,),
                               timeout_s=cfg.cluster.init_timeout_s)
     except Exception as e:
         raise PsrpcError(
             f"{topo.name}: no plan from the chief ({topo.chief_name}) after waiting up to "
             f"{cfg.cluster.init_timeout_s:.0f} s (cluster.init_timeout_s) for it to initialise "
             f"the parameter servers: {first_line(e)}") from e
+    if isinstance(plan, BaseException):  # the chief's start failed: the reply carries why
+        raise PsrpcError(f"{topo.name}: the chief could not start the run: {first_line(plan)}")
+    return plan
 
 
 def _run_worker(cfg: Config, topo: Topology, replica_cls) -> None:

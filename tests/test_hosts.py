@@ -155,3 +155,36 @@ def test_three_hosts_of_srun_style_tasks_equal_the_local_launcher(nothing_left, 
     a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "outputs" / "slurm" / f"{job}.0" / "model.pt", weights_only=True)
     assert_equal_model(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["checkpoint.dir", "out_dir"])
+def test_a_folder_on_each_hosts_own_disk_is_refused_at_start(nothing_left, tmp_path, key):
+    """Each host has its own disk at /<tmp>/disk; ps0 and ps1 on h0, the chief (worker0) and
+    worker1 on h1. A checkpoint.dir there (every PS writes its shards; a restore reads all), or
+    for a model with tables an out_dir there (every PS writes its rows for load_tables), would
+    scatter files that belong together: the run stops at start with one line naming the key."""
+    disk = str(tmp_path / "disk")
+    args = on_cpu(["+experiment=clicks_dlrm", "train.steps=5", "cluster.num_ps=2",
+                   "cluster.num_workers=2", "cluster.worker_threads=1",
+                   f"{key}={disk}/there", "cluster.interface=eth1"])
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    with hosts.Hosts(2, disk=disk) as h:
+        errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
+        agents = [h.popen(k, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=disks",
+            f"--local-addr={h.addr(k)}", "-m", "psrpc", *args],
+            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errs[k]) for k in range(2)]
+        deadline = time.monotonic() + 200
+        while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        codes = [a.poll() for a in agents]
+    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(2))
+    assert None not in codes and codes != [0, 0], logs[-3000:]
+    line = f"{key}={disk}/there is not the same folder on ps0, ps1 as on the chief"
+    assert line in logs, logs[-3000:]
+    # every psrpc rank says it in one line (torchrun's own report of a failed agent follows)
+    assert "AttributeError" not in logs and "the chief could not start the run" in logs
+    assert not list(h.disk(0).rglob("step-*")) and not list(h.disk(0).rglob("ps*.pt"))

@@ -7,6 +7,7 @@ on its host (`create_segments`, which also cleans up after dead runs).
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 from psrpc.cluster import comm, shm
 from psrpc.ps.shard import Shard, ShardSpec
@@ -64,6 +65,15 @@ def drop_shards() -> None:
     for shard in comm.registered().values():
         shard.close()
     comm.registered().clear()
+
+
+def sees(folder: str, name: str, nonce: str) -> bool:
+    """Called by the chief: whether file `name` in `folder` (as this PS resolves it) holds
+    `nonce`, i.e. this PS and the chief share the folder (psrpc/session/folders.py)."""
+    try:
+        return (Path(folder) / name).read_text() == nonce
+    except OSError:
+        return False
 
 
 def reset() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import platform
 from dataclasses import fields
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +29,7 @@ from psrpc.ps import service
 from psrpc.ps.shard import ShardSpec
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.tables import TableShardSpec
+from psrpc.session.folders import check_shared
 from psrpc.sparse.tables import find_tables
 from psrpc.worker.cache import holds_gradients
 from psrpc.worker.plan import DenseState, Plan
@@ -36,12 +38,14 @@ from psrpc.worker.replica import model_buffers
 log = logging.getLogger("psrpc")
 
 
-def bootstrap(cfg: Config, topo: Topology, build_model: Callable[[Config, Data], nn.Module]):
+def bootstrap(cfg: Config, topo: Topology, build_model: Callable[[Config, Data], nn.Module],
+              out_dir: Optional[Path] = None):
     """Build the model (seeded) or restore the newest checkpoint, create the shards on the PS
     (per pipeline stage in model-parallel mode). Returns (plan, model, dataset)."""
     torch.manual_seed(cfg.train.seed)
     dataset = load_data(cfg)
     model = build_model(cfg, dataset)
+    check_shared(cfg, topo, out_dir, bool(find_tables(model)))  # before anything is restored
     cuts, layouts = plan_layouts(cfg, topo, model)
     layout = Layout.concat(layouts)
     restored = checkpoint.find_latest(cfg.checkpoint.dir)

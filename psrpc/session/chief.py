@@ -98,7 +98,7 @@ class Chief:
         while True:
             try:
                 self.plan, model, dataset = bootstrap(self.cfg, self.topo,
-                                                      self.replica_cls.build_model)
+                                                      self.replica_cls.build_model, self.out_dir)
                 break
             except Exception as e:
                 try:  # a rank died while the shards were made: a membership change, not fatal
