@@ -36,6 +36,35 @@ def _holders() -> list[psutil.Process]:
     return out
 
 
+def _env() -> dict:
+    """This process's environment without what would name another launcher or job."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in (
+        "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def _wait(procs, timeout_s: float = 200) -> list:
+    """Their exit codes once all have ended (None for one still running after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return [p.poll() for p in procs]
+
+
+def _torchrun(h, tmp_path, args: list[str], rdzv_id: str) -> tuple[list, str]:
+    """A torchrun agent on each of the two hosts (2 ranks each, c10d on h0) running psrpc with
+    `args`; their exit codes and the end of their logs."""
+    errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
+    agents = [h.popen(k, [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", f"--rdzv-id={rdzv_id}",
+        f"--local-addr={h.addr(k)}", "-m", "psrpc", *args, "cluster.interface=eth1"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=errs[k]) for k in range(2)]
+    codes = _wait(agents)
+    for f in errs:
+        f.close()
+    return codes, "".join((tmp_path / f"h{k}.err").read_text() for k in range(2))
+
+
 @pytest.fixture
 def nothing_left():
     assert hosts.leftovers() == [], "an earlier emulation was not torn down"
@@ -97,21 +126,9 @@ def test_two_hosts_under_torchrun_equal_the_local_launcher(nothing_left, tmp_pat
                    "data.test_size=256", "cluster.num_workers=3", "cluster.worker_threads=1"])
     local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
     assert local.returncode == 0, local.stderr
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     with hosts.Hosts(2) as h:
-        errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
-        agents = [h.popen(k, [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-            "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=hosts",
-            f"--local-addr={h.addr(k)}", "-m", "psrpc", *args, "cluster.interface=eth1"],
-            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errs[k]) for k in range(2)]
-        deadline = time.monotonic() + 200
-        while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        codes = [a.poll() for a in agents]
+        codes, logs = _torchrun(h, tmp_path, args, "hosts")
         traffic = [h.counters(k) for k in range(2)]
-    logs = "".join((tmp_path / f"h{k}.err").read_text()[-3000:] for k in range(2))
     assert codes == [0, 0], logs
     assert "shared memory with the PS on the same host: 1 of 1 shards" in logs
     # the two remote workers' pushes and pulls crossed the bridge: 1.08 MB each, 20 steps
@@ -133,8 +150,7 @@ def test_three_hosts_of_srun_style_tasks_equal_the_local_launcher(nothing_left, 
     local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
     assert local.returncode == 0, local.stderr
     job = _slurm_job_id()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in (
-        "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = _env()
     with hosts.Hosts(3) as h:
         errs = [open(tmp_path / f"h{k}.err", "w") for k in range(3)]
         tasks = [h.popen(k, [sys.executable, "-m", "psrpc", *args, "cluster.interface=eth1"],
@@ -143,11 +159,10 @@ def test_three_hosts_of_srun_style_tasks_equal_the_local_launcher(nothing_left, 
             "SLURM_LOCALID": "0", "SLURM_NODEID": str(k), "SLURM_NTASKS": "3",
             "SLURM_TASKS_PER_NODE": "1(x3)", "SLURM_NODELIST": "h[0-2]",
             "SLURM_STEP_NODELIST": "h[0-2]"}) for k in range(3)]
-        deadline = time.monotonic() + 200
-        while any(t.poll() is None for t in tasks) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        codes = [t.poll() for t in tasks]
+        codes = _wait(tasks)
         traffic = [h.counters(k) for k in range(3)]
+        for f in errs:
+            f.close()
     logs = "".join((tmp_path / f"h{k}.err").read_text()[-3000:] for k in range(3))
     assert codes == [0, 0, 0], logs
     assert "shared memory with the PS" not in logs  # no worker shares ps0's host
@@ -167,24 +182,13 @@ def test_a_folder_on_each_hosts_own_disk_is_refused_at_start(nothing_left, tmp_p
     disk = str(tmp_path / "disk")
     args = on_cpu(["+experiment=clicks_dlrm", "train.steps=5", "cluster.num_ps=2",
                    "cluster.num_workers=2", "cluster.worker_threads=1",
-                   f"{key}={disk}/there", "cluster.interface=eth1"])
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+                   f"{key}={disk}/there"])
     with hosts.Hosts(2, disk=disk) as h:
-        errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
-        agents = [h.popen(k, [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-            "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=disks",
-            f"--local-addr={h.addr(k)}", "-m", "psrpc", *args],
-            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errs[k]) for k in range(2)]
-        deadline = time.monotonic() + 200
-        while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        codes = [a.poll() for a in agents]
-    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(2))
+        codes, logs = _torchrun(h, tmp_path, args, "disks")
+        written = [str(p) for k in range(2) for p in h.disk(k).rglob("*") if p.is_file()]
     assert None not in codes and codes != [0, 0], logs[-3000:]
     line = f"{key}={disk}/there is not the same folder on ps0, ps1 as on the chief"
     assert line in logs, logs[-3000:]
     # every psrpc rank says it in one line (torchrun's own report of a failed agent follows)
     assert "AttributeError" not in logs and "the chief could not start the run" in logs
-    assert not list(h.disk(0).rglob("step-*")) and not list(h.disk(0).rglob("ps*.pt"))
+    assert not [p for p in written if "step-" in p or p.endswith(".pt")], written
