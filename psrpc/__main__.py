@@ -8,6 +8,7 @@ the whole cluster; under torchrun, srun or a submitit job each process runs its 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from datetime import datetime
@@ -25,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from psrpc import api
-from psrpc.cluster import slurm
+from psrpc.cluster import membership, slurm
 from psrpc.cluster.launchers import launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
 from psrpc.config import register_configs, to_config
@@ -76,6 +77,15 @@ def main(dcfg: DictConfig) -> None:
                              "on every rank: run sweeps with the local launcher (python -m "
                              "psrpc -m ...) or Hydra's submitit launcher (README: SLURM)")
         api.run(cfg, out_dir, topo=topo)
+    except membership.TrainingOver as e:  # a rank cut off until the run ended: nothing failed
+        logging.getLogger("psrpc").warning("%s; leaving", e)
+        # Its RPC agent broke with its connections: a normal exit would run torch's C++
+        # destructors on threads still joinable (std::terminate, SIGABRT, a failed torchrun
+        # agent); the local launcher's ranks leave with os._exit too
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except PsrpcError as e:
         print(f"psrpc: error: {e}", file=sys.stderr)
         sys.exit(2)

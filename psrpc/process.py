@@ -119,6 +119,7 @@ def _on_terminate(signum, frame) -> None:
     if _TERMINATING:
         os._exit(128 + signum)
     _TERMINATING.append(time.monotonic())
+    membership.stop()
     chief.stop_at_next_step()
 
 
@@ -255,7 +256,7 @@ def _wait_for_stop(topo: Topology) -> bool:
         except Exception as e:
             # The chief left the old group for a new epoch's while the ping was under way
             # (the announcement reaches the ranks one by one): join that epoch too.
-            if not membership.ended() and membership.wait_change(MEMBERSHIP_GRACE_S):
+            if not membership.ended() and membership.recover(MEMBERSHIP_GRACE_S):
                 membership.rejoin()
                 continue
             raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "

@@ -3,7 +3,9 @@ host name, /etc/hosts, /dev/shm, optionally its own disk), links can be shaped, 
 a host can lose power; nothing is left behind. And psrpc across them: two hosts under torchrun
 give the local launcher's model bit for bit. Needs root; skips saying why otherwise."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -192,3 +194,63 @@ def test_a_folder_on_each_hosts_own_disk_is_refused_at_start(nothing_left, tmp_p
     # every psrpc rank says it in one line (torchrun's own report of a failed agent follows)
     assert "AttributeError" not in logs and "the chief could not start the run" in logs
     assert not [p for p in written if "step-" in p or p.endswith(".pt")], written
+
+
+def _chief_step(path) -> int:
+    """The chief's last logged step (its progress lines in the agent's log)."""
+    steps = re.findall(r"\[worker0\] step +(\d+)/", path.read_text())
+    return int(steps[-1]) if steps else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut_s", [1.0, 6.0], ids=["shorter-than-timeout", "longer-than-rpc-timeout"])
+def test_a_worker_host_cut_off_trains_again_after_the_heal(nothing_left, tmp_path, cut_s):
+    """torchrun on two hosts, sync: ps0 and the chief on h0, worker1 and worker2 on h1. h1 is
+    cut off at step 40 for `cut_s`, then healed; its ranks are alive all along. Shorter than
+    update.timeout_s (2 s), TCP carries the pushes on after the heal. Longer than
+    cluster.rpc_timeout_s (4 s), their calls fail: as soon as the store answers again they
+    announce a membership epoch and everybody joins it (no restart, no checkpoint). Either
+    way: h0 trained on during the cut without waiting past update.timeout_s for a round, h1's
+    workers pushed again after the heal, both agents end with 0."""
+    # long enough that the chief, alone during the cut, does not finish before the heal
+    args = on_cpu(["train.steps=3000", "train.batch_size=16", "data.size=2048",
+                   "data.test_size=256", "cluster.num_workers=3", "cluster.worker_threads=1",
+                   "update.timeout_s=2", "cluster.rpc_timeout_s=4", "train.log_every=10",
+                   "cluster.interface=eth1"])
+    errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
+    with hosts.Hosts(2) as h:
+        agents = [h.popen(k, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=cut",
+            f"--local-addr={h.addr(k)}", "-m", "psrpc", *args],
+            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=errs[k])
+            for k in range(2)]
+        deadline = time.monotonic() + 120
+        while _chief_step(tmp_path / "h0.err") < 40 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        at_cut = _chief_step(tmp_path / "h0.err")
+        h.partition(1)
+        time.sleep(cut_s)
+        at_heal = _chief_step(tmp_path / "h0.err")
+        h.heal(1)
+        codes = _wait(agents, 150)
+    for f in errs:
+        f.close()
+    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(2))
+    assert codes == [0, 0], logs[-4000:]
+    summary = json.loads((tmp_path / "outputs" / "torchrun" / "cut" / "summary.json").read_text())
+    assert summary["restored_from_step"] is None and "Restarting" not in logs
+    applied = summary["shards"][0]["per_worker_applied"]
+    for w in ("1", "2"):  # each pushed again after the heal (it had pushed about 40 before)
+        assert applied[w] >= at_cut + 50, (applied, at_cut)
+    # no round waited past update.timeout_s (its watchdog looks every 0.1 s; 2 busy cores)
+    waits = [float(s) for s in re.findall(r"waited ([\d.]+) s \(update.timeout_s=2\)", logs)]
+    assert all(s < 2.5 for s in waits), waits
+    if cut_s > 4:
+        assert waits, "no round went on without h1's workers"
+        assert at_heal - at_cut >= 20, (at_cut, at_heal)  # h0 trained on during the cut
+        (epoch,) = summary["epochs"]  # one epoch, formed after the heal
+        assert epoch["rolled_back_to"] is None and epoch["pause_s"] < 2.0, epoch
+        assert epoch["cut_off"] and set(epoch["cut_off"]) <= {"worker1", "worker2"}, epoch
+    else:
+        assert summary["epochs"] == [], summary["epochs"]

@@ -22,11 +22,23 @@ epoch that a newer one replaces before that is abandoned by everyone, so no two 
 Every wait of a join ends after cluster.init_timeout_s with a message naming who is missing.
 When the chief ends training it marks the epoch key finished (`finish`): from then on the
 launcher starts no lost rank again (`announce` fails), so no epoch starts that nobody joins.
+
+Under torchrun and srun nobody outside the ranks keeps epochs (torchrun restarts the whole
+group when a rank dies), but a rank can lose its connections and stay alive: a partition cut
+its host off, then healed. The ranks open the attempt themselves and each one watches the
+epoch key from a thread (`_watch`: the wake-up the launcher's signal gives elsewhere, across
+hosts). A rank whose RPC failed with no change announced asks for one (`ask`): as soon as the
+store answers again it announces the next epoch itself (one compare-and-set: two ranks asking
+at once start one epoch) and every rank joins it, the PS with their shards, the chief with its
+session, as when the launcher starts a worker again. What the cut-off rank computed meanwhile
+is dropped: in the new epoch it starts from the current parameters, and no message of the old
+group reaches the new one's (each epoch is a new TensorPipe group).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -39,19 +51,32 @@ log = logging.getLogger("psrpc")
 
 _CHANGE = threading.Event()  # SIGUSR1: the launcher announced a new epoch
 _STATE: dict = {"epoch": 0, "join": None, "attempt": 0, "rank": 0, "names": [],
-                "timeout_s": 120.0, "elastic": False}
+                "timeout_s": 120.0, "elastic": False, "self_announce": False, "over": False}
+_STOPPING = threading.Event()  # SIGTERM/SIGINT: a join in progress gives up (see `stop`)
 FINISHED = "finished"  # the epoch key's value once the chief has ended training: "3 finished"
 # A group that failed to form (a member died as it formed, its peers saw the connection go):
 # how long to wait for the launcher to announce the next epoch (it polls every 50 ms)
 CHANGE_GRACE_S = 10.0
 POLL_S = 0.1  # how often a rank waiting at an epoch's gathering asks for a newer epoch (the
 # store wakes it at once when the gathering ends)
+WATCH_S = 0.25  # how often a rank reads the epoch key where the ranks announce epochs
+STORE_CALL_S = 5.0  # a call of the watcher's, or of a rank asking for an epoch, gives up after
 
 
 def epoch_key(attempt: int) -> str:
     """The store key of the latest epoch (set by the local launcher): "3", or "3 finished"
     once training is over (no epoch starts after that)."""
     return f"psrpc/attempt-{attempt}/epoch"
+
+
+def _launcher_key(attempt: int) -> str:
+    """Set by the local launcher: it announces the epochs (else the ranks do)."""
+    return f"psrpc/attempt-{attempt}/launcher"
+
+
+def _asked_key(attempt: int, epoch: int) -> str:
+    """The ranks that asked for epoch `epoch` (cut off, alive all along): 'worker1,worker2,'."""
+    return f"psrpc/attempt-{attempt}/epoch-{epoch}/asked"
 
 
 def event_key(attempt: int, epoch: int) -> str:
@@ -81,13 +106,45 @@ def setup(epoch: int, attempt: int, join: Callable[..., None], rank: int = 0,
     (by rank) and how long a join may wait (cluster.init_timeout_s). Needs the process's store
     (`store.connect_store`) where the local launcher hosts epochs."""
     _STATE.update(epoch=epoch, join=join, attempt=attempt, rank=rank, names=list(names or []),
-                  timeout_s=timeout_s)
+                  timeout_s=timeout_s, self_announce=False, over=False)
     try:
-        _STATE["elastic"] = bool(store.store().check([epoch_key(attempt)]))
+        s = store.store()
+        if not s.check([_launcher_key(attempt)]):  # torchrun, srun: the ranks keep the epochs
+            s.compare_set(epoch_key(attempt), "", "0")  # (the first one opens the attempt)
+            _STATE["self_announce"] = True
+        _STATE["elastic"] = bool(s.check([epoch_key(attempt)]))
     except Exception:  # no store yet, or a foreign one: nobody announces epochs
         _STATE["elastic"] = False
     if signal.getsignal(signal.SIGUSR1) is not _on_wakeup:
         install_wakeup()
+    if _STATE["self_announce"]:
+        threading.Thread(target=_watch, args=(attempt,), name="psrpc-epochs",
+                         daemon=True).start()
+
+
+def _watch(attempt: int) -> None:
+    """Where the ranks announce epochs: wake this rank (SIGUSR1 to itself, the launcher's
+    signal elsewhere) when an epoch newer than its own is announced. Its own connection to
+    the store, with short calls: a partition must not hold the rank's own client, and a reset
+    connection is made again."""
+    woken, s = 0, None
+    while _STATE["attempt"] == attempt:
+        time.sleep(WATCH_S)
+        try:
+            s = s or store.client(STORE_CALL_S)
+            epoch, over = _parse(s.get(epoch_key(attempt)))
+        except Exception:  # cut off, or the store gone with the run: try again
+            s = None
+            continue
+        if epoch > max(current(), woken) and not over:
+            woken = epoch
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def stop() -> None:
+    """SIGTERM/SIGINT: a join under way gives up (the engine is stopping every rank: torchrun
+    restarting the group waits 30 s for a rank that does not leave)."""
+    _STOPPING.set()
 
 
 def enter() -> int:
@@ -141,6 +198,59 @@ def current() -> int:
     return _STATE["epoch"]
 
 
+def recover(timeout_s: float) -> bool:
+    """An RPC of this rank failed: whether it is a membership change, to be joined. Where a
+    launcher announces epochs: one announced within `timeout_s` (a peer left the old group).
+    Where the ranks do (torchrun, srun): this rank asks for one (`ask`)."""
+    if _STATE["self_announce"]:
+        return ask()
+    return wait_change(timeout_s)
+
+
+def ask() -> bool:
+    """Where the ranks announce epochs, after an RPC of this rank failed (its host cut off by a
+    partition, say): announce the next epoch as soon as the store answers again, within
+    cluster.init_timeout_s. True once an epoch newer than this rank's is announced (by it, or
+    by another rank first); False when the store stays out of reach, or training has ended
+    (then `ended()` says so)."""
+    attempt, timeout_s = _STATE["attempt"], _STATE["timeout_s"]
+    deadline = time.monotonic() + timeout_s
+    waited = recorded = False
+    while not _STOPPING.is_set():
+        try:
+            s = store.client(min(STORE_CALL_S, timeout_s))
+            epoch, over = _parse(s.get(epoch_key(attempt)))
+            if over:
+                _STATE["over"] = True
+                return False
+            if not recorded and (waited or epoch <= current()):
+                # cut off (not a call that failed as its peers left for an announced epoch):
+                # in the epoch this rank will join (another cut-off rank's, if announced)
+                s.append(_asked_key(attempt, max(epoch, current() + 1)), f"{_me()},")
+                recorded = True
+            if epoch <= current():
+                announce(s, attempt, current() + 1, [_me()])
+                continue  # read again: ours, or another rank's, or the chief ended training
+            store.renew(_STATE["timeout_s"])  # the old connection may be broken
+            if waited:
+                log.warning("%s: the store answers again; joining membership epoch %d",
+                            _me(), epoch)
+            _CHANGE.set()
+            return True
+        except Exception as e:
+            if time.monotonic() >= deadline:
+                log.error("%s: the rendezvous store did not answer within %g s "
+                          "(cluster.init_timeout_s): %s", _me(), timeout_s, first_line(e))
+                return False
+            if not waited:
+                log.warning("%s: cut off (the rendezvous store does not answer: %s); trying "
+                            "again for up to %g s (cluster.init_timeout_s)", _me(),
+                            first_line(e), timeout_s)
+            waited = True
+            time.sleep(0.5)
+    return False
+
+
 def group_prefix(what: str) -> str:
     """A store prefix for a process group formed in the current epoch (the dense all-reduce):
     every epoch's is new, so a group of a gone epoch never meets a newer one's keys."""
@@ -165,6 +275,17 @@ def why(epoch: int) -> tuple[str, Optional[float]]:
         return name, float(at)
     except Exception:  # an older or foreign store: the epoch still works without it
         return "?", None
+
+
+def cut_off(epoch: int) -> list[str]:
+    """The ranks that asked for epoch `epoch` because they had lost their connections (none
+    where the launcher announces epochs: it starts lost ranks again)."""
+    try:
+        s = store.store()
+        key = _asked_key(_STATE["attempt"], epoch)
+        return [n for n in s.get(key).decode().split(",") if n] if s.check([key]) else []
+    except Exception:
+        return []
 
 
 def rejoin() -> Optional[int]:
@@ -195,9 +316,12 @@ def _join_newest() -> int:
         if not _gather(target, time.monotonic() + timeout_s):
             continue  # a newer epoch replaced it before everyone arrived
         try:  # given up at once when a newer epoch is announced while the group forms
-            _STATE["join"](target, lambda: announced() > target)
+            _STATE["join"](target, lambda: _STOPPING.is_set() or announced() > target)
         except Exception as e:
             comm.abandon()  # whatever init_rpc left half-made
+            if _STOPPING.is_set():
+                raise PsrpcError(f"{_me()}: stopped by a signal while joining membership "
+                                 f"epoch {target}") from e
             if _newer_within(target, CHANGE_GRACE_S):  # a rank died while the group formed
                 log.warning("membership epoch %d did not form (%s); joining epoch %d", target,
                             first_line(e), announced())
@@ -233,6 +357,9 @@ def _gather(epoch: int, deadline: float) -> bool:
     while True:
         if store.wait_for(s, [state], POLL_S):
             return s.get(state) == b"go"
+        if _STOPPING.is_set():
+            raise PsrpcError(f"{_me()}: stopped by a signal while joining membership epoch "
+                             f"{epoch}")
         newer = announced() > epoch
         if newer or time.monotonic() >= deadline:
             if s.compare_set(state, "", "abandoned") == b"go":
@@ -262,7 +389,8 @@ def finish() -> bool:
 
 # -- the launcher's side -----------------------------------------------------------------------
 def open_attempt(store, attempt: int) -> None:
-    """The launcher, before starting an attempt's ranks: epoch 0."""
+    """The launcher, before starting an attempt's ranks: epoch 0, announced by the launcher."""
+    store.set(_launcher_key(attempt), "1")
     store.set(epoch_key(attempt), "0")
 
 
@@ -275,6 +403,8 @@ def ended() -> bool:
     """In a rank: whether the chief has ended training (where the launcher keeps epochs)."""
     if not _STATE["elastic"]:
         return False
+    if _STATE["over"]:
+        return True
     try:
         return training_over(store.store(), _STATE["attempt"])
     except Exception:  # the store is gone with the launcher: the rank leaves anyway

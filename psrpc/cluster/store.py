@@ -106,6 +106,7 @@ _MADE: list = []
 
 
 _STORES: dict = {}  # (host, port) -> this process's client (or server), kept across epochs
+_WHERE: dict = {}  # the current store's host, port and whether this process hosts it
 
 
 def _process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
@@ -121,7 +122,26 @@ def _process_store(host: str, port: int, rank: int, world_size: int, timeout: ti
             _STORES[key] = dist.TCPStore(host, port, world_size, True, timeout,
                                          master_listen_fd=listener.detach())
         _STORES["current"] = _STORES[key]
+        _WHERE.update(host=host, port=port, hosted=not agent_store and rank == 0)
     return _STORES[key]
+
+
+def client(timeout_s: float) -> Any:
+    """A new connection to this process's store, whose every call gives up after `timeout_s`
+    (a thread of its own that must not wait behind the process's client, or a rank that lost
+    its connection to a partition)."""
+    return dist.TCPStore(_WHERE["host"], _WHERE["port"], None, False,
+                         timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def renew(timeout_s: float) -> None:
+    """This process's client, made again: after a partition its old connection may be reset,
+    or hold a reply to a call that timed out (read as the next call's). Not where this process
+    hosts the store."""
+    if _WHERE.get("hosted", True):
+        return
+    fresh = client(timeout_s)
+    _STORES[(_WHERE["host"], _WHERE["port"])] = _STORES["current"] = fresh
 
 
 def host_store(host: str, port: int, timeout_s: float):

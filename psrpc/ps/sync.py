@@ -136,11 +136,12 @@ class SyncAggregator:
     def _check_timeout(self) -> None:
         shard, done = self.shard, None
         with shard.lock:
-            if self._opened is not None and time.monotonic() - self._opened > self.timeout_s:
+            waited = time.monotonic() - self._opened if self._opened is not None else 0.0
+            if waited > self.timeout_s:
                 missing = sorted(self.live.alive - self.members)
-                log.warning("%s: round %d waited %.1f s (update.timeout_s) with %d of %d "
+                log.warning("%s: round %d waited %.2f s (update.timeout_s=%g) with %d of %d "
                             "gradients; going on without %s", shard.name, shard.version,
-                            self.timeout_s, len(self.members), self.needed(),
+                            waited, self.timeout_s, len(self.members), self.needed(),
                             ", ".join(f"worker{w}" for w in missing))
                 self.live.lose(missing)
                 done = self._close_round()

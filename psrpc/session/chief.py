@@ -127,7 +127,9 @@ class Chief:
         # before its group forms: the ranks of both were started again)
         last = self.epochs[-1]["epoch"] if self.epochs else self.first_epoch
         events = [membership.why(e) for e in range(last + 1, epoch + 1)]
-        who = ",".join(dict.fromkeys(n for names, _ in events for n in names.split(",")))
+        cut_off = [n for e in range(last + 1, epoch + 1) for n in membership.cut_off(e)]
+        who = ",".join(dict.fromkeys([n for names, _ in events for n in names.split(",")]
+                                     + cut_off))
         seen_at = min((at for _, at in events if at), default=None)
         held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
         found = {index for part in held for index in part}
@@ -155,6 +157,7 @@ class Chief:
         clock = comm.invoke(plan.all_shards[0], "report").wait()
         step = clock["version"]
         self.epochs.append({"epoch": epoch, "started_again": who, "at_step": step,
+                            "cut_off": sorted(set(cut_off)),
                             "pause_s": round(pause, 3), "rolled_back_to": rolled_back,
                             "applied_before": clock["per_worker_applied"]})
         log.warning("membership epoch %d: %s joined again at step %d%s; the cluster paused "
