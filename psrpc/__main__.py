@@ -58,6 +58,17 @@ OmegaConf.register_new_resolver("psrpc_tasks_per_node", slurm.launcher_tasks_per
 register_configs()
 
 
+def _leave() -> None:
+    """A torchrun or srun rank whose work is done leaves as the local launcher's ranks do, with
+    os._exit: a rank that changed membership epochs (or lost its connections) keeps RPC agents
+    of old groups, and a normal exit runs torch's C++ destructors on their threads, still
+    joinable (std::terminate: SIGABRT, and a failed torchrun agent)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 @record  # under torchrun: the error reaches torchrun's summary instead of Hydra's sys.exit(1)
 def main(dcfg: DictConfig) -> None:
@@ -77,15 +88,11 @@ def main(dcfg: DictConfig) -> None:
                              "on every rank: run sweeps with the local launcher (python -m "
                              "psrpc -m ...) or Hydra's submitit launcher (README: SLURM)")
         api.run(cfg, out_dir, topo=topo)
+        if topo.rank is not None and not topo.submitit:
+            _leave()
     except membership.TrainingOver as e:  # a rank cut off until the run ended: nothing failed
         logging.getLogger("psrpc").warning("%s; leaving", e)
-        # Its RPC agent broke with its connections: a normal exit would run torch's C++
-        # destructors on threads still joinable (std::terminate, SIGABRT, a failed torchrun
-        # agent); the local launcher's ranks leave with os._exit too
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _leave()
     except PsrpcError as e:
         print(f"psrpc: error: {e}", file=sys.stderr)
         sys.exit(2)

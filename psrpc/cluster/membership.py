@@ -128,7 +128,7 @@ def _watch(attempt: int) -> None:
     the store, with short calls: a partition must not hold the rank's own client, and a reset
     connection is made again."""
     woken, s = 0, None
-    while _STATE["attempt"] == attempt:
+    while True:
         time.sleep(WATCH_S)
         try:
             s = s or store.client(STORE_CALL_S)
@@ -216,9 +216,10 @@ def ask() -> bool:
     attempt, timeout_s = _STATE["attempt"], _STATE["timeout_s"]
     deadline = time.monotonic() + timeout_s
     waited = recorded = False
+    s = None  # one connection while it answers, a new one after it failed
     while not _STOPPING.is_set():
         try:
-            s = store.client(min(STORE_CALL_S, timeout_s))
+            s = s or store.client(min(STORE_CALL_S, timeout_s))
             epoch, over = _parse(s.get(epoch_key(attempt)))
             if over:
                 _STATE["over"] = True
@@ -238,6 +239,7 @@ def ask() -> bool:
             _CHANGE.set()
             return True
         except Exception as e:
+            s = None
             if time.monotonic() >= deadline:
                 log.error("%s: the rendezvous store did not answer within %g s "
                           "(cluster.init_timeout_s): %s", _me(), timeout_s, first_line(e))
