@@ -225,8 +225,8 @@ def _run_worker(cfg: Config, topo: Topology, replica_cls) -> None:
         try:
             plan = fetch_plan(cfg, topo, membership.current())
             break
-        except PsrpcError as e:
-            await_change(e)  # raises unless a membership change explains it
+        except PsrpcError as e:  # (no plan: the chief failed, or died; no epoch to ask for)
+            await_change(e, may_ask=False)  # raises unless a membership change explains it
             membership.rejoin()
     worker = replica_cls(cfg, topo, plan)
     worker.plan_source = lambda epoch: fetch_plan(cfg, topo, epoch)

@@ -198,13 +198,19 @@ def current() -> int:
     return _STATE["epoch"]
 
 
-def recover(timeout_s: float) -> bool:
+def recover(timeout_s: float, may_ask: bool = True) -> bool:
     """An RPC of this rank failed: whether it is a membership change, to be joined. Where a
     launcher announces epochs: one announced within `timeout_s` (a peer left the old group).
-    Where the ranks do (torchrun, srun): this rank asks for one (`ask`)."""
-    if _STATE["self_announce"]:
+    Where the ranks do (torchrun, srun): this rank asks for one (`ask`), unless `may_ask` is
+    False (a failure no new epoch mends: the chief's start-up); then one announced already."""
+    if not _STATE["self_announce"]:
+        return wait_change(timeout_s)
+    if may_ask:
         return ask()
-    return wait_change(timeout_s)
+    try:
+        return _CHANGE.is_set() or announced() > current()
+    except Exception:  # the store is out of reach: no epoch to join
+        return False
 
 
 def ask() -> bool:

@@ -102,7 +102,7 @@ class Chief:
                 break
             except Exception as e:
                 try:  # a rank died while the shards were made: a membership change, not fatal
-                    await_change(e)
+                    await_change(e, may_ask=False)  # (a bad folder, say, is no partition)
                 except Exception:
                     _plan_future(membership.current()).set_exception(
                         PsrpcError(f"the chief failed to initialise: {e}"))
