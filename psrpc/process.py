@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from psrpc.cluster import comm, membership, shm, store
+from psrpc.cluster import comm, membership, partitions, shm, store
 from psrpc.cluster.comm import rpc_timeout_s
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config
@@ -154,6 +154,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
                        cfg.cluster.init_timeout_s, topo.agent_store)
     membership.setup(topo.epoch, topo.restart_count, join, topo.rank,
                      [topo.name_of(r) for r in range(topo.world_size)], cfg.cluster.init_timeout_s)
+    partitions.watch()  # under torchrun and srun: the ranks announce epochs
     membership.enter()  # the newest epoch, not necessarily the one it was started for
     graceful = False
     try:
@@ -256,7 +257,8 @@ def _wait_for_stop(topo: Topology) -> bool:
         except Exception as e:
             # The chief left the old group for a new epoch's while the ping was under way
             # (the announcement reaches the ranks one by one): join that epoch too.
-            if not membership.ended() and membership.recover(MEMBERSHIP_GRACE_S):
+            if not membership.ended() and partitions.recover(MEMBERSHIP_GRACE_S,
+                                                             may_ask=False):
                 membership.rejoin()
                 continue
             raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "

@@ -23,22 +23,12 @@ Every wait of a join ends after cluster.init_timeout_s with a message naming who
 When the chief ends training it marks the epoch key finished (`finish`): from then on the
 launcher starts no lost rank again (`announce` fails), so no epoch starts that nobody joins.
 
-Under torchrun and srun nobody outside the ranks keeps epochs (torchrun restarts the whole
-group when a rank dies), but a rank can lose its connections and stay alive: a partition cut
-its host off, then healed. The ranks open the attempt themselves and each one watches the
-epoch key from a thread (`_watch`: the wake-up the launcher's signal gives elsewhere, across
-hosts). A rank whose RPC failed with no change announced asks for one (`ask`): as soon as the
-store answers again it announces the next epoch itself (one compare-and-set: two ranks asking
-at once start one epoch) and every rank joins it, the PS with their shards, the chief with its
-session, as when the launcher starts a worker again. What the cut-off rank computed meanwhile
-is dropped: in the new epoch it starts from the current parameters, and no message of the old
-group reaches the new one's (each epoch is a new TensorPipe group).
+Under torchrun and srun the ranks announce epochs themselves: psrpc/cluster/partitions.py.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -59,8 +49,6 @@ FINISHED = "finished"  # the epoch key's value once the chief has ended training
 CHANGE_GRACE_S = 10.0
 POLL_S = 0.1  # how often a rank waiting at an epoch's gathering asks for a newer epoch (the
 # store wakes it at once when the gathering ends)
-WATCH_S = 0.25  # how often a rank reads the epoch key where the ranks announce epochs
-STORE_CALL_S = 5.0  # a call of the watcher's, or of a rank asking for an epoch, gives up after
 
 
 def epoch_key(attempt: int) -> str:
@@ -72,11 +60,6 @@ def epoch_key(attempt: int) -> str:
 def _launcher_key(attempt: int) -> str:
     """Set by the local launcher: it announces the epochs (else the ranks do)."""
     return f"psrpc/attempt-{attempt}/launcher"
-
-
-def _asked_key(attempt: int, epoch: int) -> str:
-    """The ranks that asked for epoch `epoch` (cut off, alive all along): 'worker1,worker2,'."""
-    return f"psrpc/attempt-{attempt}/epoch-{epoch}/asked"
 
 
 def event_key(attempt: int, epoch: int) -> str:
@@ -117,28 +100,6 @@ def setup(epoch: int, attempt: int, join: Callable[..., None], rank: int = 0,
         _STATE["elastic"] = False
     if signal.getsignal(signal.SIGUSR1) is not _on_wakeup:
         install_wakeup()
-    if _STATE["self_announce"]:
-        threading.Thread(target=_watch, args=(attempt,), name="psrpc-epochs",
-                         daemon=True).start()
-
-
-def _watch(attempt: int) -> None:
-    """Where the ranks announce epochs: wake this rank (SIGUSR1 to itself, the launcher's
-    signal elsewhere) when an epoch newer than its own is announced. Its own connection to
-    the store, with short calls: a partition must not hold the rank's own client, and a reset
-    connection is made again."""
-    woken, s = 0, None
-    while True:
-        time.sleep(WATCH_S)
-        try:
-            s = s or store.client(STORE_CALL_S)
-            epoch, over = _parse(s.get(epoch_key(attempt)))
-        except Exception:  # cut off, or the store gone with the run: try again
-            s = None
-            continue
-        if epoch > max(current(), woken) and not over:
-            woken = epoch
-            os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def stop() -> None:
@@ -198,67 +159,6 @@ def current() -> int:
     return _STATE["epoch"]
 
 
-def recover(timeout_s: float, may_ask: bool = True) -> bool:
-    """An RPC of this rank failed: whether it is a membership change, to be joined. Where a
-    launcher announces epochs: one announced within `timeout_s` (a peer left the old group).
-    Where the ranks do (torchrun, srun): this rank asks for one (`ask`), unless `may_ask` is
-    False (a failure no new epoch mends: the chief's start-up); then one announced already."""
-    if not _STATE["self_announce"]:
-        return wait_change(timeout_s)
-    if may_ask:
-        return ask()
-    try:
-        return _CHANGE.is_set() or announced() > current()
-    except Exception:  # the store is out of reach: no epoch to join
-        return False
-
-
-def ask() -> bool:
-    """Where the ranks announce epochs, after an RPC of this rank failed (its host cut off by a
-    partition, say): announce the next epoch as soon as the store answers again, within
-    cluster.init_timeout_s. True once an epoch newer than this rank's is announced (by it, or
-    by another rank first); False when the store stays out of reach, or training has ended
-    (then `ended()` says so)."""
-    attempt, timeout_s = _STATE["attempt"], _STATE["timeout_s"]
-    deadline = time.monotonic() + timeout_s
-    waited = recorded = False
-    s = None  # one connection while it answers, a new one after it failed
-    while not _STOPPING.is_set():
-        try:
-            s = s or store.client(min(STORE_CALL_S, timeout_s))
-            epoch, over = _parse(s.get(epoch_key(attempt)))
-            if over:
-                _STATE["over"] = True
-                return False
-            if not recorded and (waited or epoch <= current()):
-                # cut off (not a call that failed as its peers left for an announced epoch):
-                # in the epoch this rank will join (another cut-off rank's, if announced)
-                s.append(_asked_key(attempt, max(epoch, current() + 1)), f"{_me()},")
-                recorded = True
-            if epoch <= current():
-                announce(s, attempt, current() + 1, [_me()])
-                continue  # read again: ours, or another rank's, or the chief ended training
-            store.renew(_STATE["timeout_s"])  # the old connection may be broken
-            if waited:
-                log.warning("%s: the store answers again; joining membership epoch %d",
-                            _me(), epoch)
-            _CHANGE.set()
-            return True
-        except Exception as e:
-            s = None
-            if time.monotonic() >= deadline:
-                log.error("%s: the rendezvous store did not answer within %g s "
-                          "(cluster.init_timeout_s): %s", _me(), timeout_s, first_line(e))
-                return False
-            if not waited:
-                log.warning("%s: cut off (the rendezvous store does not answer: %s); trying "
-                            "again for up to %g s (cluster.init_timeout_s)", _me(),
-                            first_line(e), timeout_s)
-            waited = True
-            time.sleep(0.5)
-    return False
-
-
 def group_prefix(what: str) -> str:
     """A store prefix for a process group formed in the current epoch (the dense all-reduce):
     every epoch's is new, so a group of a gone epoch never meets a newer one's keys."""
@@ -283,17 +183,6 @@ def why(epoch: int) -> tuple[str, Optional[float]]:
         return name, float(at)
     except Exception:  # an older or foreign store: the epoch still works without it
         return "?", None
-
-
-def cut_off(epoch: int) -> list[str]:
-    """The ranks that asked for epoch `epoch` because they had lost their connections (none
-    where the launcher announces epochs: it starts lost ranks again)."""
-    try:
-        s = store.store()
-        key = _asked_key(_STATE["attempt"], epoch)
-        return [n for n in s.get(key).decode().split(",") if n] if s.check([key]) else []
-    except Exception:
-        return []
 
 
 def rejoin() -> Optional[int]:

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 
 from psrpc import checkpoint
-from psrpc.cluster import comm, membership
+from psrpc.cluster import comm, membership, partitions
 from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import Reply
 from psrpc.config import Config
@@ -127,7 +127,7 @@ class Chief:
         # before its group forms: the ranks of both were started again)
         last = self.epochs[-1]["epoch"] if self.epochs else self.first_epoch
         events = [membership.why(e) for e in range(last + 1, epoch + 1)]
-        cut_off = [n for e in range(last + 1, epoch + 1) for n in membership.cut_off(e)]
+        cut_off = [n for e in range(last + 1, epoch + 1) for n in partitions.cut_off(e)]
         who = ",".join(dict.fromkeys([n for names, _ in events for n in names.split(",")]
                                      + cut_off))
         seen_at = min((at for _, at in events if at), default=None)

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from psrpc import factories
-from psrpc.cluster import membership
+from psrpc.cluster import membership, partitions
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line
@@ -159,14 +159,14 @@ MEMBERSHIP_GRACE_S = 10.0  # an RPC failed: how long to wait for the launcher's 
 def await_change(error: Exception, may_ask: bool = True) -> None:
     """An RPC failed: it is a membership change (a peer left the old group) when one is
     announced within MEMBERSHIP_GRACE_S, or, under torchrun and srun, when this rank could ask
-    for one (it was cut off: membership.ask; not with `may_ask` False: a failure no new
+    for one (it was cut off: partitions.ask; not with `may_ask` False: a failure no new
     epoch mends, such as the chief's start-up); otherwise the error stands. Once the chief has ended
     training (a worker stopped past the end, say, finds the PS gone) it is TrainingOver."""
     if membership.ended():
         raise membership.TrainingOver(f"training ended while this rank's RPC was under way "
                                       f"({first_line(error)})") from error
-    if not membership.recover(MEMBERSHIP_GRACE_S, may_ask):
-        if membership.ended():  # a rank cut off until after the end: nothing to rejoin
+    if not partitions.recover(MEMBERSHIP_GRACE_S, may_ask):
+        if partitions.over_while_cut_off():  # cut off until after the end: nothing to rejoin
             raise membership.TrainingOver(f"training ended while this rank was cut off "
                                           f"({first_line(error)})") from error
         raise error

@@ -1,0 +1,134 @@
+"""Membership epochs where no launcher announces them (torchrun, srun): the ranks do.
+
+Under torchrun and srun nobody outside the ranks keeps epochs (torchrun restarts the whole
+group when a rank dies), but a rank can lose its connections and stay alive: a partition cut
+its host off, then healed. The ranks open the attempt themselves and each one watches the
+epoch key from a thread (`_watch`: the wake-up the launcher's signal gives elsewhere, across
+hosts). A rank whose RPC failed with no change announced asks for one (`ask`): as soon as the
+store answers again it announces the next epoch itself (one compare-and-set: two ranks asking
+at once start one epoch) and every rank joins it, the PS with their shards, the chief with its
+session, as when the launcher starts a worker again. What the cut-off rank computed meanwhile
+is dropped: in the new epoch it starts from the current parameters, and no message of the old
+group reaches the new one's (each epoch is a new TensorPipe group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from psrpc.cluster import store
+from psrpc.cluster.membership import (_CHANGE, _STATE, _STOPPING, _me, _parse, announce,
+                                      current, epoch_key, wait_change)
+from psrpc.errors import first_line
+
+log = logging.getLogger("psrpc")
+
+WATCH_S = 0.25  # how often a rank reads the epoch key where the ranks announce epochs
+STORE_CALL_S = 5.0  # a call of the watcher's, or of a rank asking for an epoch, gives up after
+
+
+def _asked_key(attempt: int, epoch: int) -> str:
+    """The ranks that asked for epoch `epoch` (cut off, alive all along): 'worker1,worker2,'."""
+    return f"psrpc/attempt-{attempt}/epoch-{epoch}/asked"
+
+
+def watch() -> None:
+    """After membership.setup: where the ranks announce epochs, watch the epoch key."""
+    if _STATE["self_announce"]:
+        threading.Thread(target=_watch, args=(_STATE["attempt"],), name="psrpc-epochs",
+                         daemon=True).start()
+
+
+def _watch(attempt: int) -> None:
+    """Where the ranks announce epochs: wake this rank (SIGUSR1 to itself, the launcher's
+    signal elsewhere) when an epoch newer than its own is announced. Its own connection to
+    the store, with short calls: a partition must not hold the rank's own client, and a reset
+    connection is made again."""
+    woken, s = 0, None
+    while True:
+        time.sleep(WATCH_S)
+        try:
+            s = s or store.client(STORE_CALL_S)
+            epoch, over = _parse(s.get(epoch_key(attempt)))
+        except Exception:  # cut off, or the store gone with the run: try again
+            s = None
+            continue
+        if epoch > max(current(), woken) and not over:
+            woken = epoch
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def recover(timeout_s: float, may_ask: bool = True) -> bool:
+    """An RPC of this rank failed: whether it is a membership change, to be joined: one
+    announced within `timeout_s` (a peer left the old group). Where the ranks announce epochs
+    (torchrun, srun) this rank asks for one instead (`ask`: it was cut off), unless `may_ask`
+    is False (a failure no new epoch mends: the chief's start-up, the chief gone)."""
+    if _STATE["self_announce"] and may_ask:
+        return ask()
+    return wait_change(timeout_s)
+
+
+def ask() -> bool:
+    """Where the ranks announce epochs, after an RPC of this rank failed (its host cut off by a
+    partition, say): announce the next epoch as soon as the store answers again, within
+    cluster.init_timeout_s. True once an epoch newer than this rank's is announced (by it, or
+    by another rank first); False when the store stays out of reach, or training has ended
+    (then `ended()` says so)."""
+    attempt, timeout_s = _STATE["attempt"], _STATE["timeout_s"]
+    deadline = time.monotonic() + timeout_s
+    waited = recorded = False
+    s = None  # one connection while it answers, a new one after it failed
+    while not _STOPPING.is_set():
+        try:
+            s = s or store.client(min(STORE_CALL_S, timeout_s))
+            epoch, over = _parse(s.get(epoch_key(attempt)))
+            if over:
+                _STATE["over"] = True
+                return False
+            if not recorded and (waited or epoch <= current()):
+                # cut off (not a call that failed as its peers left for an announced epoch):
+                # in the epoch this rank will join (another cut-off rank's, if announced)
+                s.append(_asked_key(attempt, max(epoch, current() + 1)), f"{_me()},")
+                recorded = True
+            if epoch <= current():
+                announce(s, attempt, current() + 1, [_me()])
+                continue  # read again: ours, or another rank's, or the chief ended training
+            store.renew(_STATE["timeout_s"])  # the old connection may be broken
+            if waited:
+                log.warning("%s: the store answers again; joining membership epoch %d",
+                            _me(), epoch)
+            _CHANGE.set()
+            return True
+        except Exception as e:
+            s = None
+            if time.monotonic() >= deadline:
+                log.error("%s: the rendezvous store did not answer within %g s "
+                          "(cluster.init_timeout_s): %s", _me(), timeout_s, first_line(e))
+                return False
+            if not waited:
+                log.warning("%s: cut off (the rendezvous store does not answer: %s); trying "
+                            "again for up to %g s (cluster.init_timeout_s)", _me(),
+                            first_line(e), timeout_s)
+            waited = True
+            time.sleep(0.5)
+    return False
+
+
+def cut_off(epoch: int) -> list[str]:
+    """The ranks that asked for epoch `epoch` because they had lost their connections (none
+    where the launcher announces epochs: it starts lost ranks again)."""
+    try:
+        s = store.store()
+        key = _asked_key(_STATE["attempt"], epoch)
+        return [n for n in s.get(key).decode().split(",") if n] if s.check([key]) else []
+    except Exception:
+        return []
+
+
+def over_while_cut_off() -> bool:
+    """Whether `ask` found that training had ended while this rank was cut off."""
+    return bool(_STATE["over"])
