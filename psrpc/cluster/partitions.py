@@ -20,9 +20,9 @@ import signal
 import threading
 import time
 
-from psrpc.cluster import store
+from psrpc.cluster import membership, store
 from psrpc.cluster.membership import (_CHANGE, _STATE, _STOPPING, _me, _parse, announce,
-                                      current, epoch_key, wait_change)
+                                      current, epoch_key)
 from psrpc.errors import first_line
 
 log = logging.getLogger("psrpc")
@@ -69,7 +69,7 @@ def recover(timeout_s: float, may_ask: bool = True) -> bool:
     is False (a failure no new epoch mends: the chief's start-up, the chief gone)."""
     if _STATE["self_announce"] and may_ask:
         return ask()
-    return wait_change(timeout_s)
+    return membership.wait_change(timeout_s)
 
 
 def ask() -> bool:
