@@ -155,6 +155,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
     membership.setup(topo.epoch, topo.restart_count, join, topo.rank,
                      [topo.name_of(r) for r in range(topo.world_size)], cfg.cluster.init_timeout_s)
     partitions.watch()  # under torchrun and srun: the ranks announce epochs
+    partitions.started_again(topo.is_chief)  # (and a rank started again announces one)
     membership.enter()  # the newest epoch, not necessarily the one it was started for
     graceful = False
     try:

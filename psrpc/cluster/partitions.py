@@ -21,9 +21,9 @@ import threading
 import time
 
 from psrpc.cluster import membership, store
-from psrpc.cluster.membership import (_CHANGE, _STATE, _STOPPING, _me, _parse, announce,
-                                      current, epoch_key)
-from psrpc.errors import first_line
+from psrpc.cluster.membership import (_CHANGE, _STATE, _STOPPING, TrainingOver, _gather_key,
+                                      _me, _parse, announce, current, epoch_key)
+from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
 
@@ -60,6 +60,36 @@ def _watch(attempt: int) -> None:
         if epoch > max(current(), woken) and not over:
             woken = epoch
             os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def started_again(is_chief: bool) -> None:
+    """Before a rank first joins, where the ranks announce epochs: whether an engine started it
+    again into a running attempt (one rank at a time, as Kubernetes does with `restartPolicy:
+    OnFailure`, or a supervisor with the same environment; torchrun restarts the whole group
+    under a new attempt instead). Such a rank finds its own arrival, from its earlier life, at
+    the newest epoch's gathering; it announces the next epoch for itself, as the local launcher
+    does for a rank it starts again, and every rank joins that one: a worker rejoins the live
+    run, a PS that lost its shards makes every shard roll back to the last checkpoint. The
+    chief's session (its hooks, metrics, saver) died with it: it stops with one line."""
+    if not _STATE["self_announce"]:
+        return
+    s, attempt = store.store(), _STATE["attempt"]
+    while True:
+        epoch, over = _parse(s.get(epoch_key(attempt)))
+        if over:
+            raise TrainingOver(f"{_me()} was started again after training had ended: nothing "
+                               "to rejoin")
+        if not s.check([_gather_key(attempt, epoch, _STATE["rank"])]):
+            return  # a first start (or an epoch it has not been in yet): join as usual
+        if is_chief:
+            raise PsrpcError(
+                f"{_me()} (the chief) was started again while the other ranks of the run live: "
+                "its session is gone with its earlier life; stop every rank and start the job "
+                "again (it resumes from the last checkpoint in checkpoint.dir)")
+        if announce(s, attempt, epoch + 1, [_me()]):
+            log.warning("%s was started again into the running job: membership epoch %d",
+                        _me(), epoch + 1)
+            return
 
 
 def recover(timeout_s: float, may_ask: bool = True) -> bool:
