@@ -109,6 +109,11 @@ _STORES: dict = {}  # (host, port) -> this process's client (or server), kept ac
 _WHERE: dict = {}  # the current store's host, port and whether this process hosts it
 
 
+def where() -> dict:
+    """The current store's host and port, and whether this process hosts it ({} before one)."""
+    return dict(_WHERE)
+
+
 def _process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
                    agent_store: bool):
     """The rendezvous store, made once per process and address: torchrun's agent or the local

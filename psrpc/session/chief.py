@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 
 from psrpc import checkpoint
-from psrpc.cluster import comm, membership, partitions
+from psrpc.cluster import comm, membership, netstat, partitions
 from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import Reply
 from psrpc.config import Config
@@ -353,6 +353,25 @@ class Chief:
                              f"step within {timeout:g} s (update.timeout_s + 5)")
         return steps
 
+    def host_traffic(self) -> dict:
+        """Each rank's TCP connections as its kernel counts them (psrpc/cluster/netstat.py),
+        every rank asked at once; a rank that does not answer within 5 s is left out."""
+        names = [self.topo.name_of(r) for r in range(self.topo.world_size)]
+        lost = {f"worker{w}" for w in self.lost}
+        asked = {n: comm.call(n, netstat.connections, timeout_s=5) for n in names
+                 if n not in lost and n != self.topo.name}
+        ranks = {self.topo.name: netstat.connections()}
+        for name, fut in asked.items():
+            try:
+                ranks[name] = fut.wait()
+            except Exception as e:
+                log.warning("%s: no connection counts (%s); host_traffic leaves it out", name,
+                            first_line(e))
+        hosts: dict[str, list[str]] = {}
+        for name, info in ranks.items():
+            hosts.setdefault(info["host"], []).append(name)
+        return {"hosts": hosts, "bytes": netstat.by_host_pair(ranks)}
+
     def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
         """model.pt and the summary, after the final checkpoint; the final evaluation is
         skipped when a signal stopped the run."""
@@ -363,11 +382,12 @@ class Chief:
         if self.best is not None:
             self.best.consider(reports[0]["version"], tests, state)
         hidden = outputs.hidden_auc(None if signalled else worker.data.test)
+        traffic = self.host_traffic()
         summary = outputs.make_summary(
             self.cfg, self.topo, self.plan, reports, wall_s=wall_s, total_s=total_s,
             samples_per_s=self.throughput.samples_per_s(), tests={**tests, **hidden},
             lost=self.lost, stopped_early=self.stopped_early, epochs=self.epochs,
-            final_checkpoint_error=self.final_checkpoint_error,
+            final_checkpoint_error=self.final_checkpoint_error, traffic=traffic,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
         outputs.write_outputs(self.out_dir, state, summary)
         if self.plan.table_shards:  # each PS writes its rows itself (tables/ps<k>.pt), the

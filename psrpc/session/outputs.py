@@ -119,7 +119,8 @@ def export_tables(out_dir: Path, num_ps: int, export: Callable[[str], list]) -> 
 def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s: float,
                  samples_per_s, tests: dict, lost: list[int], stopped_early: bool,
                  workers: dict, epochs: list = (),
-                 final_checkpoint_error: Optional[str] = None) -> dict:
+                 final_checkpoint_error: Optional[str] = None,
+                 traffic: Optional[dict] = None) -> dict:
     r0 = reports[0]
     return {
         "update": cfg.update.name, "parallel": cfg.parallel.name,
@@ -143,6 +144,8 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         **_table_traffic(plan, workers),
         **_dense_replicas(cfg, workers),
         **_tables(reports),
+        # TCP bytes between hosts as the kernel counted them, per pair and library
+        "host_traffic": traffic,
         "shards": reports,
         "workers": workers,
     }

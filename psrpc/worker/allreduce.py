@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from psrpc.cluster import comm, localreduce, membership
+from psrpc.cluster import comm, localreduce, membership, netstat
 from psrpc.cluster import store as store_mod
 from psrpc.optim import build_optimizer, count_step, lr_factor, step_scaled
 from psrpc.worker.flat import FlatModel
@@ -250,12 +250,16 @@ def _make_group(store, rank: int, size: int, timeout: timedelta, nccl: bool):
     needed. NCCL in blocking-wait mode: a collective a dead peer never completes raises in
     `wait` after the timeout (the membership change follows), instead of hanging the stream
     and aborting the process."""
+    before = netstat.sockets()  # what the group opens is counted as its traffic
     if nccl:
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+        group = dist.ProcessGroupNCCL(store, rank, size, opts)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, timeout)  # connects every pair
+    netstat.mark_new(before, "nccl" if nccl else "gloo")
+    return group
 
 
 def _retire(group) -> None:
