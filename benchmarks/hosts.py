@@ -70,16 +70,18 @@ def leftovers() -> list[str]:
     return [f"netns {s}" for s in spaces] + [f"link {n}" for n in links]
 
 
-def sweep() -> None:
-    """Remove what `leftovers` lists (after an emulation that could not clean up: kill -9)."""
-    for space in [s.split()[1] for s in leftovers() if s.startswith("netns ")]:
+def sweep(only: Optional[list[str]] = None) -> None:
+    """Remove what `leftovers` lists (after an emulation that could not clean up: kill -9), or
+    the entries of it in `only`."""
+    left = [s for s in leftovers() if only is None or s in only]
+    for space in [s.split()[1] for s in left if s.startswith("netns ")]:
         for pid in _run("ip", "netns", "pids", space, check=False).split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
         _run("ip", "netns", "del", space, check=False)
-    for link in [s.split()[1] for s in leftovers() if s.startswith("link ")]:
+    for link in [s.split()[1] for s in leftovers() if s.startswith("link ") and s in left]:
         _run("ip", "link", "del", link, check=False)
 
 

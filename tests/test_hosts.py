@@ -67,12 +67,43 @@ def _torchrun(h, tmp_path, args: list[str], rdzv_id: str) -> tuple[list, str]:
     return codes, "".join((tmp_path / f"h{k}.err").read_text() for k in range(2))
 
 
+def _srun_task(h, tmp_path, args: list[str], job: int, k: int, n: int = 3) -> subprocess.Popen:
+    """Task k of an srun-style step of `n` tasks, one per host (SLURM's variables as srun sets
+    them on host k; task 0 hosts the store): psrpc with `args`, its log appended to h<k>.err.
+    Starting it again with the same environment is what an engine that restarts one rank at a
+    time does (Kubernetes' restartPolicy: OnFailure)."""
+    with open(tmp_path / f"h{k}.err", "a") as err:
+        return h.popen(k, [sys.executable, "-m", "psrpc", *args, "cluster.interface=eth1"],
+                       cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, env={
+            **_env(), "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(k),
+            "SLURM_LOCALID": "0", "SLURM_NODEID": str(k), "SLURM_NTASKS": str(n),
+            "SLURM_TASKS_PER_NODE": f"1(x{n})", "SLURM_NODELIST": f"h[0-{n - 1}]",
+            "SLURM_STEP_NODELIST": f"h[0-{n - 1}]"})
+
+
+def _assert_counts_agree(summary: dict, traffic: list[dict]) -> None:
+    """The summary's bytes between hosts (each rank's TCP connections, as its kernel counted
+    them) agree within 10 % with what each host's interface counted (headers and ACKs
+    included: a few percent more)."""
+    pairs = summary["host_traffic"]["bytes"]
+    for k, seen in enumerate(traffic):
+        sent = sum(v["total"] for p, v in pairs.items()
+                   if p.split(" -> ")[0] == f"h{k}" != p.split(" -> ")[1])
+        got = sum(v["total"] for p, v in pairs.items()
+                  if p.split(" -> ")[1] == f"h{k}" != p.split(" -> ")[0])
+        assert abs(seen["tx_bytes"] - sent) <= 0.1 * seen["tx_bytes"], (k, seen, pairs)
+        assert abs(seen["rx_bytes"] - got) <= 0.1 * seen["rx_bytes"], (k, seen, pairs)
+
+
 @pytest.fixture
 def nothing_left():
-    assert hosts.leftovers() == [], "an earlier emulation was not torn down"
+    """Nothing of the test's own emulation is left (another run's, on the same machine, may be
+    there before and after: it is not this test's to remove)."""
+    before = set(hosts.leftovers()) | {f"pid {p.pid}" for p in _holders()}
     yield
-    left = hosts.leftovers() + [str(p) for p in _holders()]
-    hosts.sweep()
+    left = [x for x in hosts.leftovers() + [f"pid {p.pid}" for p in _holders()]
+            if x not in before]
+    hosts.sweep(only=left)
     assert not left, f"left behind: {left}"
 
 
@@ -116,7 +147,8 @@ def test_an_error_or_ctrl_c_inside_tears_everything_down(nothing_left):
             with hosts.Hosts(2) as h:
                 h.popen(1, ["sleep", "60"])
                 raise exc
-        assert hosts.leftovers() == [] and not _holders()
+        assert not [x for x in hosts.leftovers() if x.split()[1].startswith(
+            hosts.PREFIX + h.id)] and not [p for p in _holders() if h.id in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow
@@ -138,6 +170,12 @@ def test_two_hosts_under_torchrun_equal_the_local_launcher(nothing_left, tmp_pat
     a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "outputs" / "torchrun" / "hosts" / "model.pt", weights_only=True)
     assert_equal_model(a, b)
+    summary = json.loads((tmp_path / "outputs" / "torchrun" / "hosts" / "summary.json")
+                         .read_text())
+    assert summary["host_traffic"]["hosts"] == {"h0": ["worker0", "ps0"],
+                                                "h1": ["worker1", "worker2"]}
+    assert summary["host_traffic"]["bytes"]["h1 -> h0"]["tensorpipe"] > 2 * 20 * 1.0e6
+    _assert_counts_agree(summary, traffic)
 
 
 @pytest.mark.slow
@@ -152,19 +190,10 @@ def test_three_hosts_of_srun_style_tasks_equal_the_local_launcher(nothing_left, 
     local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
     assert local.returncode == 0, local.stderr
     job = _slurm_job_id()
-    env = _env()
     with hosts.Hosts(3) as h:
-        errs = [open(tmp_path / f"h{k}.err", "w") for k in range(3)]
-        tasks = [h.popen(k, [sys.executable, "-m", "psrpc", *args, "cluster.interface=eth1"],
-                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=errs[k], env={
-            **env, "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(k),
-            "SLURM_LOCALID": "0", "SLURM_NODEID": str(k), "SLURM_NTASKS": "3",
-            "SLURM_TASKS_PER_NODE": "1(x3)", "SLURM_NODELIST": "h[0-2]",
-            "SLURM_STEP_NODELIST": "h[0-2]"}) for k in range(3)]
+        tasks = [_srun_task(h, tmp_path, args, job, k) for k in range(3)]
         codes = _wait(tasks)
         traffic = [h.counters(k) for k in range(3)]
-        for f in errs:
-            f.close()
     logs = "".join((tmp_path / f"h{k}.err").read_text()[-3000:] for k in range(3))
     assert codes == [0, 0, 0], logs
     assert "shared memory with the PS" not in logs  # no worker shares ps0's host
@@ -172,6 +201,11 @@ def test_three_hosts_of_srun_style_tasks_equal_the_local_launcher(nothing_left, 
     a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "outputs" / "slurm" / f"{job}.0" / "model.pt", weights_only=True)
     assert_equal_model(a, b)
+    summary = json.loads((tmp_path / "outputs" / "slurm" / f"{job}.0" / "summary.json")
+                         .read_text())
+    assert summary["host_traffic"]["hosts"] == {"h1": ["worker0"], "h0": ["ps0"],
+                                                "h2": ["worker1"]}
+    _assert_counts_agree(summary, traffic)
 
 
 @pytest.mark.slow
@@ -254,3 +288,101 @@ def test_a_worker_host_cut_off_trains_again_after_the_heal(nothing_left, tmp_pat
         assert epoch["cut_off"] and set(epoch["cut_off"]) <= {"worker1", "worker2"}, epoch
     else:
         assert summary["epochs"] == [], summary["epochs"]
+
+
+def _wait_for_step(path, step: int, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while _chief_step(path) < step and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _chief_step(path)
+
+
+LOSS_ARGS = ["train.batch_size=16", "data.size=2048", "data.test_size=256",
+             "cluster.worker_threads=1", "update.timeout_s=2", "cluster.rpc_timeout_s=4",
+             "train.log_every=10"]
+
+
+@pytest.mark.slow
+def test_a_worker_host_lost_and_its_rank_started_again_rejoins_the_live_run(nothing_left,
+                                                                             tmp_path):
+    """srun-style tasks on three hosts, sync: ps0 on h0, the chief on h1, worker1 on h2. h2
+    loses power at step 40 (every process of it killed at once); then, as an engine that
+    restarts one rank at a time does (Kubernetes' restartPolicy: OnFailure), worker1 is started
+    again with the same environment on the rebooted host. It finds its earlier life in the
+    store, announces a membership epoch and rejoins the live run: no checkpoint restored, the
+    PS kept everything, the chief went on alone meanwhile without waiting past
+    update.timeout_s for a round, and every task that lived ends with 0."""
+    from tests.test_multinode import _slurm_job_id
+
+    args = on_cpu(["train.steps=1500", *LOSS_ARGS])
+    job = _slurm_job_id()
+    with hosts.Hosts(3) as h:
+        tasks = [_srun_task(h, tmp_path, args, job, k) for k in range(3)]
+        at_loss = _wait_for_step(tmp_path / "h1.err", 40)
+        h.power_off(2)
+        lost_at = time.monotonic()
+        time.sleep(2)
+        h.power_on(2)
+        again = _srun_task(h, tmp_path, args, job, 2)
+        codes = _wait(tasks[:2] + [again], 200)
+        ended_s = time.monotonic() - lost_at
+    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(3))
+    assert codes == [0, 0, 0], logs[-5000:]
+    summary = json.loads((tmp_path / "outputs" / "slurm" / f"{job}.0" / "summary.json")
+                         .read_text())
+    assert summary["restored_from_step"] is None, summary["restored_from_step"]
+    (epoch,) = summary["epochs"]
+    assert epoch["started_again"] == "worker1" and epoch["rolled_back_to"] is None, epoch
+    assert epoch["at_step"] > at_loss, (epoch, at_loss)
+    applied = summary["shards"][0]["per_worker_applied"]
+    assert applied["1"] >= at_loss + 100, (applied, at_loss)  # it trained again after
+    waits = [float(s) for s in re.findall(r"waited ([\d.]+) s \(update.timeout_s=2\)", logs)]
+    assert waits and all(s < 2.5 for s in waits), waits
+    assert "started again into the running job" in logs
+    assert ended_s < 150, ended_s
+
+
+@pytest.mark.slow
+def test_a_worker_host_lost_under_torchrun_leaves_the_others_training(nothing_left, tmp_path):
+    """torchrun on two hosts, sync: ps0 and the chief on h0, worker1 and worker2 on h1. h1
+    loses power at step 40 (its agent with it: torchrun has nobody to restart it, and the
+    surviving agent sees no failure of its own). The chief trains on alone (no round waits past
+    update.timeout_s), ends training and writes its outputs; h0's psrpc ranks end with 0.
+    torchrun's agent on h0 then waits in its exit barrier for the lost agent (300 s, torch's
+    `exit_barrier_timeout`, not a torchrun flag): the test stops it there."""
+    args = on_cpu(["train.steps=600", "cluster.num_workers=3", *LOSS_ARGS,
+                   "cluster.interface=eth1"])
+    errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
+    with hosts.Hosts(2) as h:
+        agents = [h.popen(k, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=lost",
+            f"--local-addr={h.addr(k)}", "-m", "psrpc", *args],
+            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=errs[k])
+            for k in range(2)]
+        at_loss = _wait_for_step(tmp_path / "h0.err", 40)
+        h.power_off(1)
+        lost_at = time.monotonic()
+        summary_path = tmp_path / "outputs" / "torchrun" / "lost" / "summary.json"
+        ranks = []
+        deadline = lost_at + 150
+        while time.monotonic() < deadline:
+            ranks = [p for p in psutil.Process(agents[0].pid).children(recursive=True)
+                     if p.name().startswith("psrpc-")]
+            if summary_path.exists() and not ranks:
+                break
+            time.sleep(0.5)
+        ended_s = time.monotonic() - lost_at
+        barrier = agents[0].poll() is None  # its ranks are gone, it waits for the lost agent
+    for f in errs:
+        f.close()
+    logs = (tmp_path / "h0.err").read_text()
+    assert not ranks and summary_path.exists(), logs[-5000:]
+    assert ended_s < 120, ended_s
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 600 and summary["restored_from_step"] is None, summary
+    assert summary["workers_lost"] == 2, summary["workers_lost"]
+    waits = [float(s) for s in re.findall(r"waited ([\d.]+) s \(update.timeout_s=2\)", logs)]
+    assert waits and all(s < 2.5 for s in waits), waits
+    assert "exitcode" not in logs  # no rank of h0 failed (torchrun names failed ranks so)
+    assert barrier, logs[-3000:]
