@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from psrpc import api
 from psrpc.cluster import membership, slurm
-from psrpc.cluster.launchers import launched_rank, shared_run_id
+from psrpc.cluster.launchers import launched, launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
 from psrpc.config import register_configs, to_config
 from psrpc.errors import PsrpcError
@@ -58,15 +58,16 @@ OmegaConf.register_new_resolver("psrpc_tasks_per_node", slurm.launcher_tasks_per
 register_configs()
 
 
-def _leave() -> None:
+def _leave(code: int = 0) -> None:
     """A torchrun or srun rank whose work is done leaves as the local launcher's ranks do, with
     os._exit: a rank that changed membership epochs (or lost its connections) keeps RPC agents
     of old groups, and a normal exit runs torch's C++ destructors on their threads, still
-    joinable (std::terminate: SIGABRT, and a failed torchrun agent)."""
+    joinable (std::terminate: SIGABRT, and a failed torchrun agent); a failed one the same,
+    with its code."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -95,7 +96,18 @@ def main(dcfg: DictConfig) -> None:
         _leave()
     except PsrpcError as e:
         print(f"psrpc: error: {e}", file=sys.stderr)
+        if _own_rank():
+            _leave(2)
         sys.exit(2)
+
+
+def _own_rank() -> bool:
+    """A torchrun or srun rank: it leaves with os._exit, whether its work is done or failed."""
+    try:
+        started = launched(os.environ)
+    except PsrpcError:
+        return False
+    return started is not None and not started.submitit
 
 
 if __name__ == "__main__":

@@ -38,3 +38,13 @@ def first_line(e: BaseException) -> str:
     type's name when it has none."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+NETWORK_MARKS = ("RPCErr", "tensorpipe", "ECONNRESET", "ECONNREFUSED", "EPIPE", "timed out",
+                 "Connection reset", "Connection refused")
+
+
+def network_failure(e: BaseException) -> bool:
+    """Whether an error is a call that failed on the network (a timeout, a peer gone), not a
+    bug: said in one line, not a traceback."""
+    return not isinstance(e, PsrpcError) and any(m in str(e) for m in NETWORK_MARKS)

@@ -386,3 +386,101 @@ def test_a_worker_host_lost_under_torchrun_leaves_the_others_training(nothing_le
     assert waits and all(s < 2.5 for s in waits), waits
     assert "exitcode" not in logs  # no rank of h0 failed (torchrun names failed ranks so)
     assert barrier, logs[-3000:]
+
+
+@pytest.mark.slow
+def test_a_ps_host_lost_and_its_rank_started_again_rolls_every_shard_back(nothing_left,
+                                                                         tmp_path):
+    """srun-style tasks on four hosts, sync, checkpoints every 20 steps: ps0 (and the store) on
+    h0, ps1 on h1, the chief on h2, worker1 on h3. h1 loses power at step 50; ps1 is started
+    again with the same environment on the rebooted host, as an engine that restarts one rank
+    at a time does. Its shards are gone with its memory, so, as under the local launcher, every
+    shard rolls back to the last committed checkpoint (step-consistent) and training goes on in
+    the live run: nobody else restarts, and the run ends with 0 everywhere."""
+    from tests.test_multinode import _slurm_job_id
+
+    args = on_cpu(["train.steps=400", "cluster.num_ps=2", "cluster.num_workers=2", *LOSS_ARGS,
+                   f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=20"])
+    job = _slurm_job_id()
+    with hosts.Hosts(4) as h:
+        tasks = [_srun_task(h, tmp_path, args, job, k, n=4) for k in range(4)]
+        at_loss = _wait_for_step(tmp_path / "h2.err", 50)
+        h.power_off(1)
+        lost_at = time.monotonic()
+        time.sleep(2)
+        h.power_on(1)
+        again = _srun_task(h, tmp_path, args, job, 1, n=4)
+        codes = _wait([tasks[0], again, *tasks[2:]], 200)
+        ended_s = time.monotonic() - lost_at
+    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(4))
+    assert codes == [0, 0, 0, 0], logs[-5000:]
+    summary = json.loads((tmp_path / "outputs" / "slurm" / f"{job}.0" / "summary.json")
+                         .read_text())
+    (epoch,) = summary["epochs"]
+    # ps1 started again; a worker whose push to the lost ps1 failed asked for the epoch first
+    # (it cannot tell a lost peer from a partition) and is named with it
+    assert "ps1" in epoch["started_again"].split(","), epoch
+    assert set(epoch["cut_off"]) <= {"worker0", "worker1"}, epoch
+    assert epoch["rolled_back_to"] is not None and epoch["rolled_back_to"] <= at_loss + 20, epoch
+    assert epoch["rolled_back_to"] % 20 == 0, epoch
+    assert summary["steps"] == 400 and summary["restored_from_step"] is None, summary
+    assert ended_s < 150, ended_s
+
+
+@pytest.mark.slow
+def test_the_chiefs_host_lost_stops_the_run_naming_it(nothing_left, tmp_path):
+    """srun-style tasks on three hosts, sync: ps0 (and the store) on h0, the chief on h1,
+    worker1 on h2. h1 loses power at step 40. As TensorFlow's MonitoredTrainingSession, the
+    chief's session (hooks, metrics, saver) is gone with it: the others stop within a bound,
+    each with one line naming the chief, and the chief started again with the same environment
+    refuses with one line saying how to resume (start the job again: it restores the last
+    checkpoint). Nothing hangs."""
+    from tests.test_multinode import _slurm_job_id
+
+    args = on_cpu(["train.steps=1500", *LOSS_ARGS])
+    job = _slurm_job_id()
+    with hosts.Hosts(3) as h:
+        tasks = [_srun_task(h, tmp_path, args, job, k) for k in range(3)]
+        _wait_for_step(tmp_path / "h1.err", 40)
+        h.power_off(1)
+        lost_at = time.monotonic()
+        time.sleep(2)
+        h.power_on(1)
+        again = _srun_task(h, tmp_path, args, job, 1)
+        codes = _wait([tasks[0], again, tasks[2]], 150)
+        ended_s = time.monotonic() - lost_at
+    logs = [(tmp_path / f"h{k}.err").read_text() for k in range(3)]
+    assert None not in codes and 0 not in codes, (codes, "".join(logs)[-5000:])
+    assert ended_s < 60, ended_s
+    assert "worker0 (the chief) was started again while the other ranks of the run live" \
+        in logs[1], logs[1][-3000:]
+    for k in (0, 2):
+        last = [x for x in logs[k].splitlines() if x.startswith("psrpc: error:")]
+        assert last and "the chief (worker0) was lost and started again" in last[-1], logs[k]
+        assert "Traceback" not in logs[k], logs[k][-3000:]
+
+
+@pytest.mark.slow
+def test_the_rendezvous_host_lost_stops_the_run_naming_the_store(nothing_left, tmp_path):
+    """srun-style tasks on three hosts: task 0 (ps0) hosts the rendezvous store on h0, which
+    loses power at step 40 and stays down. The others cannot tell a lost host from a partition:
+    they try the store for cluster.init_timeout_s (20 s here), then stop with one line naming
+    it. Nothing hangs."""
+    from tests.test_multinode import _slurm_job_id
+
+    args = on_cpu(["train.steps=1500", *LOSS_ARGS, "cluster.init_timeout_s=20"])
+    job = _slurm_job_id()
+    with hosts.Hosts(3) as h:
+        tasks = [_srun_task(h, tmp_path, args, job, k) for k in range(3)]
+        _wait_for_step(tmp_path / "h1.err", 40)
+        h.power_off(0)
+        lost_at = time.monotonic()
+        codes = _wait(tasks[1:], 120)
+        ended_s = time.monotonic() - lost_at
+    logs = [(tmp_path / f"h{k}.err").read_text() for k in range(3)]
+    assert codes == [2, 2], (codes, "".join(logs)[-5000:])
+    assert ended_s < 20 + 30, ended_s
+    for k in (1, 2):
+        last = [x for x in logs[k].splitlines() if x.startswith("psrpc: error:")]
+        assert last and "store" in last[-1], logs[k][-3000:]
+        assert "Traceback" not in logs[k], logs[k][-3000:]

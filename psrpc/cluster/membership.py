@@ -68,6 +68,11 @@ def event_key(attempt: int, epoch: int) -> str:
     return f"psrpc/attempt-{attempt}/epoch-{epoch}/why"
 
 
+def failed_key(attempt: int) -> str:
+    """Set when the attempt cannot go on (its chief was started again): why, in one line."""
+    return f"psrpc/attempt-{attempt}/failed"
+
+
 def _gather_key(attempt: int, epoch: int, what) -> str:
     return f"psrpc/attempt-{attempt}/epoch-{epoch}/gather/{what}"
 
@@ -257,6 +262,8 @@ def _gather(epoch: int, deadline: float) -> bool:
         if _STOPPING.is_set():
             raise PsrpcError(f"{_me()}: stopped by a signal while joining membership epoch "
                              f"{epoch}")
+        if s.check([failed_key(attempt)]):
+            raise PsrpcError(f"{_me()}: {s.get(failed_key(attempt)).decode()}")
         newer = announced() > epoch
         if newer or time.monotonic() >= deadline:
             if s.compare_set(state, "", "abandoned") == b"go":

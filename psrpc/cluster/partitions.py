@@ -67,7 +67,8 @@ def started_again(is_chief: bool) -> None:
     again into a running attempt (one rank at a time, as Kubernetes does with `restartPolicy:
     OnFailure`, or a supervisor with the same environment; torchrun restarts the whole group
     under a new attempt instead). Such a rank finds its own arrival, from its earlier life, at
-    the newest epoch's gathering; it announces the next epoch for itself, as the local launcher
+    an epoch's gathering (the newest, or an earlier one where the others announced a newer one
+    as they lost it); it announces the next epoch for itself, as the local launcher
     does for a rank it starts again, and every rank joins that one: a worker rejoins the live
     run, a PS that lost its shards makes every shard roll back to the last checkpoint. The
     chief's session (its hooks, metrics, saver) died with it: it stops with one line."""
@@ -79,13 +80,16 @@ def started_again(is_chief: bool) -> None:
         if over:
             raise TrainingOver(f"{_me()} was started again after training had ended: nothing "
                                "to rejoin")
-        if not s.check([_gather_key(attempt, epoch, _STATE["rank"])]):
-            return  # a first start (or an epoch it has not been in yet): join as usual
-        if is_chief:
+        if not any(s.check([_gather_key(attempt, e, _STATE["rank"])]) for e in range(epoch + 1)):
+            return  # a first start: join as usual
+        if is_chief:  # (the others, waiting for it at a gathering, stop at once with this)
+            again = ("start the job again (it resumes from the last checkpoint in "
+                     "checkpoint.dir)")
+            s.set(membership.failed_key(attempt), f"the chief ({_me()}) was lost and started "
+                  f"again: the run cannot go on without its session; {again}")
             raise PsrpcError(
                 f"{_me()} (the chief) was started again while the other ranks of the run live: "
-                "its session is gone with its earlier life; stop every rank and start the job "
-                "again (it resumes from the last checkpoint in checkpoint.dir)")
+                f"its session is gone with its earlier life; stop every rank and {again}")
         if announce(s, attempt, epoch + 1, [_me()]):
             log.warning("%s was started again into the running job: membership epoch %d",
                         _me(), epoch + 1)
@@ -106,8 +110,8 @@ def ask() -> bool:
     """Where the ranks announce epochs, after an RPC of this rank failed (its host cut off by a
     partition, say): announce the next epoch as soon as the store answers again, within
     cluster.init_timeout_s. True once an epoch newer than this rank's is announced (by it, or
-    by another rank first); False when the store stays out of reach, or training has ended
-    (then `ended()` says so)."""
+    by another rank first); False when training has ended (then `ended()` says so). Raises
+    when the store stays out of reach (its host lost, say)."""
     attempt, timeout_s = _STATE["attempt"], _STATE["timeout_s"]
     deadline = time.monotonic() + timeout_s
     waited = recorded = False
@@ -135,10 +139,12 @@ def ask() -> bool:
             return True
         except Exception as e:
             s = None
-            if time.monotonic() >= deadline:
-                log.error("%s: the rendezvous store did not answer within %g s "
-                          "(cluster.init_timeout_s): %s", _me(), timeout_s, first_line(e))
-                return False
+            if time.monotonic() >= deadline:  # its host lost, or cut off for good
+                where = store.where()
+                raise PsrpcError(
+                    f"{_me()}: cut off: the rendezvous store ({where.get('host')}:"
+                    f"{where.get('port')}) did not answer within {timeout_s:g} s "
+                    f"(cluster.init_timeout_s): {first_line(e)}") from e
             if not waited:
                 log.warning("%s: cut off (the rendezvous store does not answer: %s); trying "
                             "again for up to %g s (cluster.init_timeout_s)", _me(),

@@ -134,7 +134,9 @@ def _process_store(host: str, port: int, rank: int, world_size: int, timeout: ti
 def client(timeout_s: float) -> Any:
     """A new connection to this process's store, whose every call gives up after `timeout_s`
     (a thread of its own that must not wait behind the process's client, or a rank that lost
-    its connection to a partition)."""
+    its connection to a partition). Where the store's port does not answer, an OSError, without
+    c10d's multi-line report of each timed-out connect."""
+    socket.create_connection((_WHERE["host"], _WHERE["port"]), timeout=timeout_s).close()
     return dist.TCPStore(_WHERE["host"], _WHERE["port"], None, False,
                          timedelta(seconds=timeout_s), wait_for_workers=False)
 

@@ -168,7 +168,7 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
                          build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
                          stats[g], name, shared[g] if shared else None)
         specs.append((topo.ps_names[k], spec))
-    shards = _create(specs)
+    shards = _create(specs, cfg.cluster.init_timeout_s)
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
 
@@ -279,12 +279,15 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
             sparse=cfg.sparse, restore=restore,
             hand_over=cfg.parallel.name == "data" and holds_gradients(cfg.sparse))
         built.append((topo.ps_names[k], spec))
-    return _create(built)
+    return _create(built, cfg.cluster.init_timeout_s)
 
 
-def _create(specs: list[tuple[str, object]]) -> list:
-    """Build every (PS, spec) shard at once; their Handles (a constructor's error raises)."""
-    comm.wait_all([comm.call(ps, service.create_shard, (spec,)) for ps, spec in specs])
+def _create(specs: list[tuple[str, object]], timeout_s: float) -> list:
+    """Build every (PS, spec) shard at once; their Handles (a constructor's error raises).
+    Part of the start, so within cluster.init_timeout_s, not rpc_timeout_s (a PS restoring a
+    large table, or still starting on a busy host, may take longer than a step's call)."""
+    comm.wait_all([comm.call(ps, service.create_shard, (spec,), max(timeout_s, 1.0))
+                   for ps, spec in specs])
     return [comm.Handle(ps, spec.index) for ps, spec in specs]
 
 

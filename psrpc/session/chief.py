@@ -24,7 +24,7 @@ from psrpc.cluster import comm, membership, netstat, partitions
 from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import Reply
 from psrpc.config import Config
-from psrpc.errors import PsrpcError, first_line
+from psrpc.errors import PsrpcError, first_line, network_failure
 from psrpc.ps import service
 from psrpc.session import outputs
 from psrpc.cluster.layout import Layout
@@ -104,8 +104,10 @@ class Chief:
                 try:  # a rank died while the shards were made: a membership change, not fatal
                     await_change(e, may_ask=False)  # (a bad folder, say, is no partition)
                 except Exception:
-                    _plan_future(membership.current()).set_exception(
-                        PsrpcError(f"the chief failed to initialise: {e}"))
+                    failed = PsrpcError(f"the chief failed to initialise: {first_line(e)}")
+                    _plan_future(membership.current()).set_exception(failed)
+                    if network_failure(e):
+                        raise failed from e
                     raise
             log.warning("a rank was lost while the chief initialised; initialising again in "
                         "the new membership epoch")
