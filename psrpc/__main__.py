@@ -95,7 +95,10 @@ def main(dcfg: DictConfig) -> None:
         logging.getLogger("psrpc").warning("%s; leaving", e)
         _leave()
     except PsrpcError as e:
-        print(f"psrpc: error: {e}", file=sys.stderr)
+        # one write, newline included: ranks of a host share one stderr, and a signal between
+        # print's two writes would leave the line unended
+        sys.stderr.write(f"psrpc: error: {e}\n")
+        sys.stderr.flush()
         if _own_rank():
             _leave(2)
         sys.exit(2)
