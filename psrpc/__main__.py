@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from psrpc import api
-from psrpc.cluster import membership, slurm
+from psrpc.cluster import membership, slurm, store
 from psrpc.cluster.launchers import launched, launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
 from psrpc.config import register_configs, to_config
@@ -100,6 +100,7 @@ def main(dcfg: DictConfig) -> None:
         sys.stderr.write(f"psrpc: error: {e}\n")
         sys.stderr.flush()
         if _own_rank():
+            store.linger()
             _leave(2)
         sys.exit(2)
 

@@ -429,6 +429,33 @@ def test_a_ps_host_lost_and_its_rank_started_again_rolls_every_shard_back(nothin
 
 
 @pytest.mark.slow
+def test_a_ps_host_lost_and_not_started_again_stops_the_run_naming_it(nothing_left, tmp_path):
+    """The same four hosts, ps1's host lost at step 50 and nobody starting it again (plain
+    srun): the ranks left ask for an epoch, wait cluster.init_timeout_s (20 s) for ps1 at its
+    gathering, and each stops with one line naming ps1. Nothing hangs, nothing trains on with a
+    shard missing."""
+    from tests.test_multinode import _slurm_job_id
+
+    args = on_cpu(["train.steps=1500", "cluster.num_ps=2", "cluster.num_workers=2", *LOSS_ARGS,
+                   "cluster.init_timeout_s=20"])
+    job = _slurm_job_id()
+    with hosts.Hosts(4) as h:
+        tasks = [_srun_task(h, tmp_path, args, job, k, n=4) for k in range(4)]
+        _wait_for_step(tmp_path / "h2.err", 50)
+        h.power_off(1)
+        lost_at = time.monotonic()
+        codes = _wait([tasks[0], *tasks[2:]], 150)
+        ended_s = time.monotonic() - lost_at
+    assert all(c not in (None, 0) for c in codes), codes
+    assert ended_s < 20 + 60, ended_s
+    for k in (0, 2, 3):
+        log = (tmp_path / f"h{k}.err").read_text()
+        last = [x for x in log.splitlines() if x.startswith("psrpc: error:")]
+        assert len(last) == 1 and "ps1" in last[0], log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.slow
 def test_the_chiefs_host_lost_stops_the_run_naming_it(nothing_left, tmp_path):
     """srun-style tasks on three hosts, sync: ps0 (and the store) on h0, the chief on h1,
     worker1 on h2. h1 loses power at step 40. As TensorFlow's MonitoredTrainingSession, the

@@ -69,7 +69,8 @@ def event_key(attempt: int, epoch: int) -> str:
 
 
 def failed_key(attempt: int) -> str:
-    """Set when the attempt cannot go on (its chief was started again): why, in one line."""
+    """Set when the attempt cannot go on (its chief was started again, a rank missing from an
+    epoch past cluster.init_timeout_s where the ranks announce epochs): why, in one line."""
     return f"psrpc/attempt-{attempt}/failed"
 
 
@@ -216,6 +217,8 @@ def _join_newest() -> int:
     while True:
         target = announced()
         if not _gather(target, time.monotonic() + timeout_s):
+            if announced() <= target:  # not replaced: given up by a rank that timed out
+                _given_up(target)
             continue  # a newer epoch replaced it before everyone arrived
         try:  # given up at once when a newer epoch is announced while the group forms
             _STATE["join"](target, lambda: _STOPPING.is_set() or announced() > target)
@@ -233,6 +236,22 @@ def _join_newest() -> int:
                              f"{first_line(e)}") from e
         _STATE["epoch"] = target
         return target
+
+
+def _given_up(epoch: int) -> None:
+    """`epoch` was given up with ranks missing, by a rank whose wait ended first: wait for a
+    newer epoch (the local launcher's, once it has started the missing rank again), else stop
+    with that rank's line (where the ranks announce epochs it is final, in failed_key)."""
+    s, key = store.store(), failed_key(_STATE["attempt"])
+    deadline = time.monotonic() + _STATE["timeout_s"]
+    while announced() <= epoch:
+        if s.check([key]):
+            raise PsrpcError(f"{_me()}: {s.get(key).decode()}")
+        if time.monotonic() >= deadline:
+            raise PsrpcError(f"{_me()}: membership epoch {epoch} was given up with ranks "
+                             f"missing, and no newer epoch came within {_STATE['timeout_s']:g} "
+                             f"s (cluster.init_timeout_s)")
+        time.sleep(POLL_S)
 
 
 def _newer_within(epoch: int, timeout_s: float) -> bool:
@@ -272,8 +291,11 @@ def _gather(epoch: int, deadline: float) -> bool:
                 return False
             missing = [name for r, name in enumerate(_STATE["names"])
                        if not s.check([_gather_key(attempt, epoch, r)])]
-            raise PsrpcError(f"{_me()}: membership epoch {epoch}: {', '.join(missing)} did not "
-                             f"join within {_STATE['timeout_s']:g} s (cluster.init_timeout_s)")
+            why = (f"membership epoch {epoch}: {', '.join(missing)} did not join within "
+                   f"{_STATE['timeout_s']:g} s (cluster.init_timeout_s)")
+            if _STATE["self_announce"]:  # final: no rank asks for another epoch (the first wins)
+                why = s.compare_set(failed_key(attempt), "", why).decode() or why
+            raise PsrpcError(f"{_me()}: {why}")
 
 
 def finish() -> bool:

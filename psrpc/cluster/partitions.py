@@ -106,6 +106,10 @@ def recover(timeout_s: float, may_ask: bool = True) -> bool:
     return membership.wait_change(timeout_s)
 
 
+class _Final(Exception):
+    """The attempt is marked failed in the store: asking for another epoch is pointless."""
+
+
 def ask() -> bool:
     """Where the ranks announce epochs, after an RPC of this rank failed (its host cut off by a
     partition, say): announce the next epoch as soon as the store answers again, within
@@ -123,6 +127,8 @@ def ask() -> bool:
             if over:
                 _STATE["over"] = True
                 return False
+            if s.check([membership.failed_key(attempt)]):  # no epoch mends it (a rank missing)
+                raise _Final(f"{_me()}: {s.get(membership.failed_key(attempt)).decode()}")
             if not recorded and (waited or epoch <= current()):
                 # cut off (not a call that failed as its peers left for an announced epoch):
                 # in the epoch this rank will join (another cut-off rank's, if announced)
@@ -137,6 +143,8 @@ def ask() -> bool:
                             _me(), epoch)
             _CHANGE.set()
             return True
+        except _Final as e:
+            raise PsrpcError(str(e)) from None
         except Exception as e:
             s = None
             if time.monotonic() >= deadline:  # its host lost, or cut off for good

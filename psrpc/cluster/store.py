@@ -102,6 +102,17 @@ def wait_for(store, keys: list[str], timeout_s: float) -> bool:
     return bool(store.check(keys))  # and never on a wait's word alone
 
 
+LINGER_S = 2.0  # a rank that hosts the store and fails: how long the others get to read why
+
+
+def linger() -> None:
+    """Before a rank that hosts the store leaves on an error (srun's task 0): the others, polling
+    the store every 0.1 s, read the reason it wrote there (membership.failed_key) rather than
+    finding the store gone."""
+    if _WHERE.get("hosted"):
+        time.sleep(LINGER_S)
+
+
 _MADE: list = []
 
 
