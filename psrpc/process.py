@@ -257,9 +257,9 @@ def _wait_for_stop(topo: Topology) -> bool:
             phase = comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
         except Exception as e:
             # The chief left the old group for a new epoch's while the ping was under way
-            # (the announcement reaches the ranks one by one): join that epoch too.
-            if not membership.ended() and partitions.recover(MEMBERSHIP_GRACE_S,
-                                                             may_ask=False):
+            # (the announcement reaches the ranks one by one): join that epoch too. Started
+            # again by its engine, the chief marks the attempt failed: stop with its line.
+            if not membership.ended() and partitions.chief_lost(MEMBERSHIP_GRACE_S):
                 membership.rejoin()
                 continue
             raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "

@@ -58,3 +58,29 @@ def test_a_rank_missing_from_an_epoch_is_named_after_the_timeout(store):
                                          r"join within 1 s \(cluster.init_timeout_s\)"):
         membership._join_newest()
     assert time.monotonic() - t0 < 5
+
+
+def test_a_ps_that_lost_the_chief_waits_for_its_word_longer_than_the_grace(store, monkeypatch):
+    """Where the ranks announce epochs (torchrun, srun), a PS whose ping to the chief failed
+    waits cluster.init_timeout_s, not the launcher's grace, for an epoch or for the line of a
+    chief started again by its engine (a start takes seconds on a busy host): it stops with
+    that line, naming the chief, as soon as the line is in the store."""
+    from psrpc.cluster import partitions
+
+    monkeypatch.setattr(partitions, "_STATE", membership._STATE)  # (the fixture's copy)
+    membership._STATE.update(self_announce=True, timeout_s=30.0)
+    line = "the chief (worker0) was lost and started again: start the job again"
+    threading.Timer(1.5, store.set, (membership.failed_key(0), line)).start()
+    t0 = time.monotonic()
+    with pytest.raises(PsrpcError, match=r"^ps0: the chief \(worker0\) was lost and started"):
+        partitions.chief_lost(grace_s=0.5)  # (the word comes after the grace)
+    assert 1.0 < time.monotonic() - t0 < 5
+
+
+def test_a_ps_that_lost_the_chief_joins_an_epoch_announced_meanwhile(store, monkeypatch):
+    from psrpc.cluster import partitions
+
+    monkeypatch.setattr(partitions, "_STATE", membership._STATE)  # (the fixture's copy)
+    membership._STATE.update(self_announce=True, timeout_s=30.0)
+    threading.Timer(1.0, membership.announce, (store, 0, 1, ["worker0"])).start()
+    assert partitions.chief_lost(grace_s=0.5) and membership.changing()

@@ -143,7 +143,9 @@ def changing() -> bool:
 def wait_change(timeout_s: float) -> bool:
     """Whether a change is announced within `timeout_s` (an RPC failing because a peer left the
     old group can come before the signal does): the signal, or the store's latest epoch. False
-    at once where nobody announces epochs (torchrun restarts the whole group instead)."""
+    at once where nobody announces epochs (torchrun restarts the whole group instead). Where
+    the ranks announce epochs, raises with the line of a rank that marked the attempt failed
+    meanwhile (the chief started again, say: no epoch mends that)."""
     if _CHANGE.is_set():
         return True
     if not _STATE["elastic"]:
@@ -154,8 +156,12 @@ def wait_change(timeout_s: float) -> bool:
             if announced() > current():
                 _CHANGE.set()
                 break
+            s, key = store.store(), failed_key(_STATE["attempt"])
+            why = s.get(key).decode() if _STATE["self_announce"] and s.check([key]) else ""
         except Exception:  # the store went away with the launcher
             return False
+        if why:
+            raise PsrpcError(f"{_me()}: {why}")
         if time.monotonic() >= deadline:
             return False
     return True

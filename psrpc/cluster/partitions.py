@@ -106,6 +106,18 @@ def recover(timeout_s: float, may_ask: bool = True) -> bool:
     return membership.wait_change(timeout_s)
 
 
+def chief_lost(grace_s: float) -> bool:
+    """A PS's ping to the chief failed: whether it is a membership change, to be joined. Where
+    the ranks announce epochs the chief may be cut off (it asks for an epoch once the store
+    answers) or lost and being started again by its engine (it then marks the attempt failed:
+    this raises with its line), and starting a process takes longer than `grace_s` on a busy
+    host: wait cluster.init_timeout_s for either. Elsewhere the launcher announces within
+    `grace_s` (it starts every rank again when the chief dies)."""
+    if _STATE["self_announce"]:
+        return membership.wait_change(max(grace_s, _STATE["timeout_s"]))
+    return membership.wait_change(grace_s)
+
+
 class _Final(Exception):
     """The attempt is marked failed in the store: asking for another epoch is pointless."""
 
