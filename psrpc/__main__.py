@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from psrpc import api
-from psrpc.cluster import membership, slurm, store
+from psrpc.cluster import membership, partitions, slurm, store
 from psrpc.cluster.launchers import launched, launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
 from psrpc.config import register_configs, to_config
@@ -90,9 +90,11 @@ def main(dcfg: DictConfig) -> None:
                              "psrpc -m ...) or Hydra's submitit launcher (README: SLURM)")
         api.run(cfg, out_dir, topo=topo)
         if topo.rank is not None and not topo.submitit:
+            partitions.depart()  # (srun's task 0 keeps the store for ranks still cut off)
             _leave()
     except membership.TrainingOver as e:  # a rank cut off until the run ended: nothing failed
         logging.getLogger("psrpc").warning("%s; leaving", e)
+        partitions.depart()
         _leave()
     except PsrpcError as e:
         # one write, newline included: ranks of a host share one stderr, and a signal between

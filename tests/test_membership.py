@@ -84,3 +84,15 @@ def test_a_ps_that_lost_the_chief_joins_an_epoch_announced_meanwhile(store, monk
     membership._STATE.update(self_announce=True, timeout_s=30.0)
     threading.Timer(1.0, membership.announce, (store, 0, 1, ["worker0"])).start()
     assert partitions.chief_lost(grace_s=0.5) and membership.changing()
+
+
+def test_a_rank_whose_store_never_answers_says_so_in_one_line(capfd):
+    """A rank started where no store listens (its host gone, or a rank started again after
+    the run ended): one line naming the store and cluster.init_timeout_s, not c10d's report."""
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(PsrpcError, match=rf"^the rendezvous store \(127.0.0.1:{port}\) did not "
+                                         r"answer within 1 s \(cluster.init_timeout_s\)"):
+        rendezvous.connect_store("127.0.0.1", port, 1, 3, timeout_s=1.0)
+    assert time.monotonic() - t0 < 5
+    assert "TCPStore" not in capfd.readouterr().err

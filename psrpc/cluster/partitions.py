@@ -188,3 +188,43 @@ def cut_off(epoch: int) -> list[str]:
 def over_while_cut_off() -> bool:
     """Whether `ask` found that training had ended while this rank was cut off."""
     return bool(_STATE["over"])
+
+
+def _left_key(attempt: int, rank: int) -> str:
+    return f"psrpc/attempt-{attempt}/left/{rank}"
+
+
+DEPART_CALL_S = 5.0  # a rank's word that it leaves: given up after (the store may be gone)
+
+
+def depart() -> None:
+    """A torchrun or srun rank whose work is done, as it leaves: say so in the store. The rank
+    that hosts the store (srun's task 0; torchrun's store is its agent's) then waits, up to
+    cluster.init_timeout_s, for every other rank's word: a rank cut off until after training
+    ended asks the store, once the network heals, whether it is over, and must find the
+    answer there, not a closed port (it would stop with an error after init_timeout_s)."""
+    if not _STATE["self_announce"]:
+        return
+    attempt, me = _STATE["attempt"], _STATE["rank"]
+    try:
+        s = store.client(DEPART_CALL_S) if not store.where().get("hosted") else store.store()
+        s.set(_left_key(attempt, me), "1")
+    except Exception:  # the store is gone (its host left first): nobody to tell
+        return
+    if not store.where().get("hosted"):
+        return
+    keys = {r: _left_key(attempt, r) for r in range(len(_STATE["names"])) if r != me}
+    t0, said = time.monotonic(), False
+    while True:
+        missing = [_STATE["names"][r] for r, k in keys.items() if not s.check([k])]
+        waited = time.monotonic() - t0
+        if not missing or waited >= _STATE["timeout_s"]:
+            break
+        if waited > 2.0 and not said:  # (the others leave within a second of each other)
+            log.warning("%s hosts the rendezvous store: waiting up to %g s "
+                        "(cluster.init_timeout_s) for %s to learn that training ended (cut "
+                        "off or lost)", _me(), _STATE["timeout_s"], ", ".join(missing))
+            said = True
+        time.sleep(0.2)
+    if missing:
+        log.warning("%s: %s never came back; leaving", _me(), ", ".join(missing))

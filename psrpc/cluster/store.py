@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from psrpc.errors import PsrpcError
+from psrpc.errors import PsrpcError, first_line
 
 WAIT_SLICE_S = 0.1  # a wait of init_rpc asks `abort` this often (the store wakes it at once)
 # An elastic group's members have all arrived when init_rpc starts (membership._gather): what
@@ -132,7 +132,13 @@ def _process_store(host: str, port: int, rank: int, world_size: int, timeout: ti
     key = (host, port)
     if key not in _STORES:
         if agent_store or rank != 0:
-            _STORES[key] = dist.TCPStore(host, port, world_size, False, timeout)
+            _reachable(host, port, timeout.total_seconds())
+            try:
+                _STORES[key] = dist.TCPStore(host, port, world_size, False, timeout)
+            except dist.DistError as e:
+                raise PsrpcError(f"the rendezvous store ({host}:{port}) did not answer within "
+                                 f"{timeout.total_seconds():g} s (cluster.init_timeout_s): "
+                                 f"{first_line(e)}") from None
         else:
             listener = _bind(host, port)
             _STORES[key] = dist.TCPStore(host, port, world_size, True, timeout,
@@ -140,6 +146,24 @@ def _process_store(host: str, port: int, rank: int, world_size: int, timeout: ti
         _STORES["current"] = _STORES[key]
         _WHERE.update(host=host, port=port, hosted=not agent_store and rank == 0)
     return _STORES[key]
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> None:
+    """Wait, up to `timeout_s`, until the store's port takes a plain TCP connection (its host
+    may still be starting it; one line when it never does, where c10d's own connect would
+    print a multi-line report of each timed-out try: a store whose host is gone, a rank
+    started again after the run ended)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(
+                5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise PsrpcError(f"the rendezvous store ({host}:{port}) did not answer within "
+                                 f"{timeout_s:g} s (cluster.init_timeout_s): {e}") from None
+            time.sleep(0.2)
 
 
 def client(timeout_s: float) -> Any:
