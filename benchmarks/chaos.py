@@ -12,7 +12,11 @@ update.timeout_s, a kill during a checkpoint write, during start-up, during the 
 evaluation or during shutdown, a truncated or missing checkpoint file, a full disk under
 checkpoint.dir, a SIGKILL of the launcher). Each run is `python -m psrpc` in a process group of
 its own, as a user starts it; the fault comes from outside, as a scheduler or an operator
-delivers it.
+delivers it. With hosts=true (the default; it needs root) the campaign also draws HOST_FAULTS
+(benchmarks/chaos_hosts.py): the run is then srun-style tasks, one per emulated host, and the
+fault a host cut off and healed, a slow link, or a host lost (its task started again, or not;
+the chief's; the rendezvous store's). Schedule i of seed s draws the same faults as before
+host faults came for i < 14 (the first 14 are one of each local fault).
 
 After each run:
 - it ended within bound_s (else it is a hang: its whole process group is killed);
@@ -41,7 +45,9 @@ from typing import Callable, Optional
 import psutil
 
 from benchmarks.chaos_faults import FAULTS, TIMEOUT_S, Run
+from benchmarks.chaos_hosts import HOST_FAULTS, HostRun
 from benchmarks.common import bench_config, header, write_results
+from benchmarks.hosts import missing as hosts_missing
 from psrpc import checkpoint
 
 MODES = {
@@ -55,13 +61,21 @@ COMMON = ["model=cnn", "data.size=2048", "data.test_size=256", "train.batch_size
           f"update.timeout_s={TIMEOUT_S}", "cluster.init_timeout_s=60", "train.device=cpu"]
 
 
-def schedule(seed: int, index: int) -> dict:
-    rnd = random.Random(seed * 1_000_003 + index)
-    fault = list(FAULTS)[index % len(FAULTS)] if index < len(FAULTS) else rnd.choice(list(FAULTS))
+def faults(hosts: bool = True) -> dict:
+    """Every fault the campaign draws from: the local ones, then (with `hosts`) the hosts'."""
+    return {**FAULTS, **HOST_FAULTS} if hosts else dict(FAULTS)
+
+
+def schedule(seed: int, index: int, hosts: bool = True) -> dict:
+    rnd, drawn = random.Random(seed * 1_000_003 + index), list(faults(hosts))
+    fault = drawn[index % len(drawn)] if index < len(drawn) else rnd.choice(drawn)
     mode = rnd.choice(list(MODES))
     P, W = rnd.choice([1, 2]), rnd.choice([2, 3, 4])
     if fault == "kill_two" and W == 2:
         W = 3  # two deaths in a group that keeps one worker besides the chief
+    if fault in HOST_FAULTS:  # one rank a host: at most 5 hosts
+        W = min(W, 3)
+        P = 2 if fault == "host_lost_ps_restarted" else P  # (ps0's host holds the store)
     return {"index": index, "seed": seed, "mode": mode, "num_ps": P, "num_workers": W,
             "fault": fault, "rng": rnd.getrandbits(32)}
 
@@ -117,9 +131,12 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
         did = ("checkpoint.dir on a 200 KB tmpfs" if mounted else
                "no tmpfs could be mounted here: the run is an ordinary one")
         can_finish = None  # either finishes (saves fail and are logged) or names the cause
-    run = Run(folder, overrides(s), steps)
+    if s["fault"] in HOST_FAULTS:
+        run = HostRun(folder, overrides(s), steps, n=s["num_ps"] + s["num_workers"])
+    else:
+        run = Run(folder, overrides(s), steps)
     try:
-        fn = FAULTS[s["fault"]]
+        fn = faults()[s["fault"]]
         if fn is not None:
             did, can_finish, delivered = fn(run, rnd, s["num_ps"], s["num_workers"])
         try:
@@ -205,7 +222,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     kept; a schedule whose fault was not delivered counts under `not_delivered` only (its hang
     or broken invariant, if any, too)."""
     out = []
-    for fault in FAULTS:
+    for fault in faults():
         mine = [r for r in rows if r["fault"] == fault]
         if not mine:
             continue
@@ -284,9 +301,12 @@ def campaign(schedules: list[dict], steps: int, bound_s: float,
 
 def main(argv: list[str]) -> None:
     opts = bench_config("chaos", argv)
+    if opts.hosts and (why := hosts_missing()) is not None:
+        sys.exit(f"benchmarks.chaos: hosts=true draws host faults, but {why}; run it as root "
+                 "or with hosts=false")
     meta = header()
     indices = list(opts.only) if opts.only else list(range(opts.schedules))
-    plan = [schedule(opts.seed, i) for i in indices]
+    plan = [schedule(opts.seed, i, opts.hosts) for i in indices]
     t0 = time.monotonic()
     rows = campaign(plan, opts.steps, opts.bound_s, keep=Path(opts.out) / "violations",
                     keep_all=opts.keep_all)

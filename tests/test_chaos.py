@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from benchmarks import chaos
+from benchmarks import chaos, hosts
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -33,6 +33,23 @@ def _first(fault):
     ("truncated_checkpoint", *_first("truncated_checkpoint")),
     ("kill_launcher", *_first("kill_launcher"))])
 def test_a_seeded_schedule_keeps_every_invariant(fault, seed, index):
+    _replay(fault, seed, index)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(hosts.missing() is not None, reason=str(hosts.missing()))
+@pytest.mark.parametrize("fault,seed,index", [
+    # the chief ended training during the cut; worker1 asked the store once healed, and found
+    # task 0 gone (it now waits for every rank's word before it leaves)
+    ("host_cut_long", 0, 15),
+    # worker2 started again after the run ended found no store: a traceback wall, exit 1
+    ("host_lost_worker_restarted", 0, 18)])
+def test_a_seeded_host_fault_schedule_keeps_every_invariant(fault, seed, index):
+    """Host faults over emulated hosts, one srun-style task a host (benchmarks/chaos_hosts.py)."""
+    _replay(fault, seed, index)
+
+
+def _replay(fault, seed, index):
     s = chaos.schedule(seed=seed, index=index)
     assert s["fault"] == fault
     with tempfile.TemporaryDirectory(prefix="psrpc-chaos-") as tmp:
