@@ -278,6 +278,9 @@ def test_a_worker_host_cut_off_trains_again_after_the_heal(nothing_left, tmp_pat
     applied = summary["shards"][0]["per_worker_applied"]
     for w in ("1", "2"):  # each pushed again after the heal (it had pushed about 40 before)
         assert applied[w] >= at_cut + 50, (applied, at_cut)
+    # nothing h1 computed before or during the cut changed a newer round (sync: a late push is
+    # refused; an old epoch's group cannot reach the new one's)
+    assert summary["shards"][0]["max_staleness"] == 0, summary["shards"][0]
     # no round waited past update.timeout_s (its watchdog looks every 0.1 s; 2 busy cores)
     waits = [float(s) for s in re.findall(r"waited ([\d.]+) s \(update.timeout_s=2\)", logs)]
     assert all(s < 2.5 for s in waits), waits
@@ -289,6 +292,51 @@ def test_a_worker_host_cut_off_trains_again_after_the_heal(nothing_left, tmp_pat
         assert epoch["cut_off"] and set(epoch["cut_off"]) <= {"worker1", "worker2"}, epoch
     else:
         assert summary["epochs"] == [], summary["epochs"]
+
+
+@pytest.mark.slow
+def test_a_slow_link_makes_its_workers_stragglers_not_the_cluster(nothing_left, tmp_path):
+    """torchrun on two hosts, sync: ps0 and the chief on h0, worker1 and worker2 on h1. At step
+    40 h1's link drops to 2 Mbit/s each way (a 1.08 MB push takes over 4 s): a straggler by
+    network. Rounds go on without h1's workers after update.timeout_s and never wait longer
+    (the chief alone runs ten times as fast meanwhile); their pushes that come late are
+    refused as stale, not applied to a newer round; it is no membership change (no epoch,
+    no restart). After 4 s the link is fast again and h1's workers push in the rounds again;
+    both agents end with 0."""
+    # (a push slowed to seconds is no lost call: the RPC timeout stays at its default)
+    args = on_cpu(["train.steps=3000", "cluster.num_workers=3", "cluster.interface=eth1",
+                   *[a for a in LOSS_ARGS if not a.startswith("cluster.rpc_timeout_s")]])
+    errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
+    with hosts.Hosts(2) as h:
+        agents = [h.popen(k, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=slow",
+            f"--local-addr={h.addr(k)}", "-m", "psrpc", *args],
+            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=errs[k])
+            for k in range(2)]
+        at_slow = _wait_for_step(tmp_path / "h0.err", 40)
+        h.set_rate(1, 2)
+        time.sleep(4)
+        h.set_rate(1, None)
+        at_fast = _chief_step(tmp_path / "h0.err")
+        codes = _wait(agents, 150)
+    for f in errs:
+        f.close()
+    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(2))
+    assert codes == [0, 0], logs[-4000:]
+    summary = json.loads((tmp_path / "outputs" / "torchrun" / "slow" / "summary.json")
+                         .read_text())
+    assert summary["epochs"] == [] and summary["restored_from_step"] is None, summary["epochs"]
+    assert summary["steps"] == 3000 and at_fast < 3000 - 500, (summary["steps"], at_fast)
+    waits = [float(s) for s in re.findall(r"waited ([\d.]+) s \(update.timeout_s=2\)", logs)]
+    assert waits and all(s < 2.5 for s in waits), waits  # stragglers, never waited for longer
+    assert at_fast - at_slow >= 3, (at_slow, at_fast)  # h0 trained on while the link was slow
+    shard = summary["shards"][0]
+    applied = shard["per_worker_applied"]
+    for w in ("1", "2"):  # pushing in the rounds again once the link was fast
+        assert applied[w] >= at_fast + 100, (applied, at_fast)
+    # their pushes that came late were refused, not applied to a newer round
+    assert shard["max_staleness"] == 0 and sum(shard["per_worker_stale"].values()) >= 1, shard
 
 
 def _wait_for_step(path, step: int, timeout_s: float = 120) -> int:
