@@ -102,6 +102,7 @@ def main(dcfg: DictConfig) -> None:
         sys.stderr.write(f"psrpc: error: {e}\n")
         sys.stderr.flush()
         if _own_rank():
+            partitions.depart(wait_for_others=False)  # (nobody need wait for this rank)
             store.linger()
             _leave(2)
         sys.exit(2)

@@ -197,12 +197,13 @@ def _left_key(attempt: int, rank: int) -> str:
 DEPART_CALL_S = 5.0  # a rank's word that it leaves: given up after (the store may be gone)
 
 
-def depart() -> None:
-    """A torchrun or srun rank whose work is done, as it leaves: say so in the store. The rank
-    that hosts the store (srun's task 0; torchrun's store is its agent's) then waits, up to
-    cluster.init_timeout_s, for every other rank's word: a rank cut off until after training
-    ended asks the store, once the network heals, whether it is over, and must find the
-    answer there, not a closed port (it would stop with an error after init_timeout_s)."""
+def depart(wait_for_others: bool = True) -> None:
+    """A torchrun or srun rank, as it leaves (its work done, or failed): say so in the store.
+    The rank that hosts the store (srun's task 0; torchrun's store is its agent's), its work
+    done, then waits, up to cluster.init_timeout_s, for every other rank's word: a rank cut off
+    until after training ended asks the store, once the network heals, whether it is over,
+    and must find the answer there, not a closed port (it would stop with an error after
+    init_timeout_s)."""
     if not _STATE["self_announce"]:
         return
     attempt, me = _STATE["attempt"], _STATE["rank"]
@@ -211,7 +212,7 @@ def depart() -> None:
         s.set(_left_key(attempt, me), "1")
     except Exception:  # the store is gone (its host left first): nobody to tell
         return
-    if not store.where().get("hosted"):
+    if not (wait_for_others and store.where().get("hosted")):
         return
     keys = {r: _left_key(attempt, r) for r in range(len(_STATE["names"])) if r != me}
     t0, said = time.monotonic(), False
