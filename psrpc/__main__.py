@@ -102,10 +102,14 @@ def main(dcfg: DictConfig) -> None:
         sys.stderr.write(f"psrpc: error: {e}\n")
         sys.stderr.flush()
         if _own_rank():
-            partitions.depart(wait_for_others=False)  # (nobody need wait for this rank)
+            partitions.depart(wait_for_others=False, failed=str(e))  # (none need wait for it)
             store.linger()
             _leave(2)
         sys.exit(2)
+    except BaseException:  # a bug, or an interrupt: nobody need wait for this rank either
+        if _own_rank():
+            partitions.depart(wait_for_others=False)
+        raise
 
 
 def _own_rank() -> bool:

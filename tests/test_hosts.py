@@ -299,12 +299,16 @@ def test_a_slow_link_makes_its_workers_stragglers_not_the_cluster(nothing_left, 
     """torchrun on two hosts, sync: ps0 and the chief on h0, worker1 and worker2 on h1. At step
     40 h1's link drops to 2 Mbit/s each way (a 1.08 MB push takes over 4 s): a straggler by
     network. Rounds go on without h1's workers after update.timeout_s and never wait longer
-    (the chief alone runs ten times as fast meanwhile); their pushes that come late are
+    (the chief trains on alone meanwhile); their pushes that come late are
     refused as stale, not applied to a newer round; it is no membership change (no epoch,
     no restart). After 4 s the link is fast again and h1's workers push in the rounds again;
     both agents end with 0."""
-    # (a push slowed to seconds is no lost call: the RPC timeout stays at its default)
-    args = on_cpu(["train.steps=3000", "cluster.num_workers=3", "cluster.interface=eth1",
+    # (a push slowed to seconds is no lost call: the RPC timeout stays at its default). The
+    # chief sleeps 20 ms a step: alone it would otherwise run ten times as fast as the three
+    # together and could end the run before TCP, backing off during the slow link, brings
+    # h1's workers back (seconds)
+    args = on_cpu(["train.steps=1500", "cluster.num_workers=3", "cluster.interface=eth1",
+                   "fault.slow_worker=0", "fault.slow_s=0.02",
                    *[a for a in LOSS_ARGS if not a.startswith("cluster.rpc_timeout_s")]])
     errs = [open(tmp_path / f"h{k}.err", "w") for k in range(2)]
     with hosts.Hosts(2) as h:
@@ -327,14 +331,14 @@ def test_a_slow_link_makes_its_workers_stragglers_not_the_cluster(nothing_left, 
     summary = json.loads((tmp_path / "outputs" / "torchrun" / "slow" / "summary.json")
                          .read_text())
     assert summary["epochs"] == [] and summary["restored_from_step"] is None, summary["epochs"]
-    assert summary["steps"] == 3000 and at_fast < 3000 - 500, (summary["steps"], at_fast)
+    assert summary["steps"] == 1500 and at_fast < 1500 - 500, (summary["steps"], at_fast)
     waits = [float(s) for s in re.findall(r"waited ([\d.]+) s \(update.timeout_s=2\)", logs)]
     assert waits and all(s < 2.5 for s in waits), waits  # stragglers, never waited for longer
     assert at_fast - at_slow >= 3, (at_slow, at_fast)  # h0 trained on while the link was slow
     shard = summary["shards"][0]
     applied = shard["per_worker_applied"]
     for w in ("1", "2"):  # pushing in the rounds again once the link was fast
-        assert applied[w] >= at_fast + 100, (applied, at_fast)
+        assert applied[w] >= at_fast + 100, (applied, at_fast, logs[-3000:])
     # their pushes that came late were refused, not applied to a newer round
     assert shard["max_staleness"] == 0 and sum(shard["per_worker_stale"].values()) >= 1, shard
 

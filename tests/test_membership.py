@@ -96,3 +96,32 @@ def test_a_rank_whose_store_never_answers_says_so_in_one_line(capfd):
         rendezvous.connect_store("127.0.0.1", port, 1, 3, timeout_s=1.0)
     assert time.monotonic() - t0 < 5
     assert "TCPStore" not in capfd.readouterr().err
+
+
+def test_a_chief_that_fails_marks_the_attempt_failed_with_its_line(store, monkeypatch):
+    """Under torchrun and srun a chief leaving on an error writes its line where the others
+    wait for it (a PS pinging it stops with that line at once, not after a timeout)."""
+    from psrpc.cluster import partitions
+
+    monkeypatch.setattr(partitions, "_STATE", membership._STATE)
+    monkeypatch.setitem(rendezvous._WHERE, "hosted", True)  # (this process's store: no client)
+    membership._STATE.update(self_announce=True, rank=1)  # worker0
+    partitions.depart(wait_for_others=False, failed="worker0: the data path is missing")
+    assert store.get(membership.failed_key(0)) == \
+        b"the chief failed: worker0: the data path is missing"
+    assert store.check(["psrpc/attempt-0/left/1"])
+
+
+def test_the_stores_host_leaves_once_every_rank_has_said_it_leaves(store, monkeypatch):
+    """srun's task 0 hosts the store: it waits for the others' word (a rank cut off until the
+    end must find there that training is over), and not past it."""
+    from psrpc.cluster import partitions
+
+    monkeypatch.setattr(partitions, "_STATE", membership._STATE)
+    monkeypatch.setitem(rendezvous._WHERE, "hosted", True)
+    membership._STATE.update(self_announce=True, timeout_s=30.0)
+    for rank, after_s in ((1, 0.3), (2, 1.0)):
+        threading.Timer(after_s, store.set, (f"psrpc/attempt-0/left/{rank}", "1")).start()
+    t0 = time.monotonic()
+    partitions.depart()
+    assert 0.9 < time.monotonic() - t0 < 5

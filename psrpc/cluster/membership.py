@@ -152,6 +152,8 @@ def wait_change(timeout_s: float) -> bool:
         return False
     deadline = time.monotonic() + timeout_s
     while not _CHANGE.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        if _STOPPING.is_set():  # the engine is stopping every rank: no change to wait for
+            return False
         try:
             if announced() > current():
                 _CHANGE.set()

@@ -197,12 +197,14 @@ def _left_key(attempt: int, rank: int) -> str:
 DEPART_CALL_S = 5.0  # a rank's word that it leaves: given up after (the store may be gone)
 
 
-def depart(wait_for_others: bool = True) -> None:
-    """A torchrun or srun rank, as it leaves (its work done, or failed): say so in the store.
-    The rank that hosts the store (srun's task 0; torchrun's store is its agent's), its work
-    done, then waits, up to cluster.init_timeout_s, for every other rank's word: a rank cut off
-    until after training ended asks the store, once the network heals, whether it is over,
-    and must find the answer there, not a closed port (it would stop with an error after
+def depart(wait_for_others: bool = True, failed: str = "") -> None:
+    """A torchrun or srun rank, as it leaves (its work done, or `failed` with that line): say
+    so in the store. A chief that failed marks the attempt failed with its line: the others,
+    waiting for it (a PS pinging it, ranks at a gathering), stop at once with it. The rank that
+    hosts the store (srun's task 0; torchrun's store is its agent's), its work done, then
+    waits, up to cluster.init_timeout_s, for every other rank's word: a rank cut off until
+    after training ended asks the store, once the network heals, whether it is over, and must
+    find the answer there, not a closed port (it would stop with an error after
     init_timeout_s)."""
     if not _STATE["self_announce"]:
         return
@@ -210,6 +212,8 @@ def depart(wait_for_others: bool = True) -> None:
     try:
         s = store.client(DEPART_CALL_S) if not store.where().get("hosted") else store.store()
         s.set(_left_key(attempt, me), "1")
+        if failed and _me() == "worker0":
+            s.compare_set(membership.failed_key(attempt), "", f"the chief failed: {failed}")
     except Exception:  # the store is gone (its host left first): nobody to tell
         return
     if not (wait_for_others and store.where().get("hosted")):
@@ -219,7 +223,7 @@ def depart(wait_for_others: bool = True) -> None:
     while True:
         missing = [_STATE["names"][r] for r, k in keys.items() if not s.check([k])]
         waited = time.monotonic() - t0
-        if not missing or waited >= _STATE["timeout_s"]:
+        if not missing or waited >= _STATE["timeout_s"] or _STOPPING.is_set():
             break
         if waited > 2.0 and not said:  # (the others leave within a second of each other)
             log.warning("%s hosts the rendezvous store: waiting up to %g s "

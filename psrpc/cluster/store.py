@@ -133,7 +133,7 @@ def _process_store(host: str, port: int, rank: int, world_size: int, timeout: ti
     if key not in _STORES:
         if agent_store or rank != 0:
             _reachable(host, port, timeout.total_seconds())
-            try:
+            try:  # (connects at once now; `timeout` is also every later call's)
                 _STORES[key] = dist.TCPStore(host, port, world_size, False, timeout)
             except dist.DistError as e:
                 raise PsrpcError(f"the rendezvous store ({host}:{port}) did not answer within "
