@@ -66,12 +66,10 @@ def _local_rank(rank: int, world: int, port: int, cfg, sparse: bool, threads: in
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from benchmarks.peers import _setup, train_timed
+    from benchmarks.peers import _setup, init_gloo, train_timed
 
     torch.set_num_threads(threads)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+    init_gloo(rank, world, port)
     data, model, loss_fn, batches = _setup(cfg, world, rank)
     for bag in model.tables.bags.values():
         bag.sparse = sparse  # nn.EmbeddingBag reads it in forward
@@ -153,12 +151,11 @@ def _torchrec_rank(rank: int, world: int, port: int, cfg, threads: int, out) -> 
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from benchmarks.peers import _setup, train_timed
+    from benchmarks.peers import _setup, init_gloo, train_timed
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's deprecated torch calls
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_gloo(rank, world, port, always=True)  # (DistributedModelParallel needs a group)
     data, model, loss_fn, batches = _setup(cfg, world, rank, own_tables=False)
     model.tables = TorchRecTables(model.tables.specs)
     # the tables' optimizer, fused into backward (FBGEMM's EXACT_ROWWISE_ADAGRAD): the plan then

@@ -41,6 +41,18 @@ def test_metric(model, cfg: Config, data, batch: int = 1000) -> float:
     return next(iter(value.values())) if isinstance(value, dict) else value
 
 
+def init_gloo(rank: int, world: int, port: Optional[int], always: bool = False) -> None:
+    """The peers' gloo group (none for one process, unless `always`): on this machine at
+    `port`, or (None) where torchrun says (its MASTER_ADDR and MASTER_PORT: a peer rank on an
+    emulated host)."""
+    import torch.distributed as dist
+
+    if world <= 1 and not always:
+        return
+    method = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=method, rank=rank, world_size=world)
+
+
 def _setup(cfg: Config, world: int, rank: int, own_tables: bool = True):
     """What every peer process builds, as a psrpc worker would: data, model, loss, batches.
     The model holds its embedding tables whole, or with `own_tables=False` no rows at all: for a
@@ -67,6 +79,11 @@ def single_process(cfg: Config) -> dict:
     return {"samples_per_s": (steps - warm) * B / elapsed, "wall_s": elapsed}
 
 
+# Called with the step number as the clock starts (step `warm`) and with `steps` after the last:
+# benchmarks/link_peer.py reads its host's interface counters there.
+AT_CLOCK: list[Callable[[int], None]] = []
+
+
 def train_timed(model, loss_fn, batches, opts: list, steps: int, warm: int,
                 after_step: Optional[Callable[[int], bool]] = None) -> tuple[int, float]:
     """Every peer's training loop: global batches 0..steps-1 of `batches`, each optimizer in
@@ -75,6 +92,8 @@ def train_timed(model, loss_fn, batches, opts: list, steps: int, warm: int,
     t0 = time.perf_counter()
     for step in range(steps):
         if step == warm:
+            for fn in AT_CLOCK:
+                fn(step)
             t0 = time.perf_counter()
         x, y = batches.get(step)
         for opt in opts:
@@ -84,7 +103,10 @@ def train_timed(model, loss_fn, batches, opts: list, steps: int, warm: int,
             opt.step()
         if after_step is not None and after_step(step):
             return step + 1, time.perf_counter() - t0
-    return steps, time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    for fn in AT_CLOCK:
+        fn(steps)
+    return steps, elapsed
 
 
 def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_s: float,
@@ -93,8 +115,7 @@ def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_gloo(rank, world, port)
     data, model, loss_fn, batches = _setup(cfg, world, rank)
     model = DDP(model)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
