@@ -164,27 +164,24 @@ def _running(run: HostRun, at: int) -> str:
     return "" if run.alive() else f"the run had ended (exit {run.proc.returncode}) at step {at}"
 
 
-def host_cut_short(run, rnd, P, W):
+def _cut(run, rnd, P, W, seconds: float, why: str = ""):
+    """A worker host cut off at a random step for `seconds`, then healed."""
     k = _worker_host(rnd, P, W)
     at = _at_step(run, rnd)
     missed = _running(run, at)
     run.hosts.partition(k)
-    time.sleep(TIMEOUT_S - 1)
+    time.sleep(seconds)
     run.hosts.heal(k)
-    return _result(f"h{k} cut off at step {at} for {TIMEOUT_S - 1:g} s, then healed", True,
+    return _result(f"h{k} cut off at step {at} for {seconds:g} s{why}, then healed", True,
                    missed)
 
 
+def host_cut_short(run, rnd, P, W):
+    return _cut(run, rnd, P, W, TIMEOUT_S - 1)
+
+
 def host_cut_long(run, rnd, P, W):
-    k = _worker_host(rnd, P, W)
-    at = _at_step(run, rnd)
-    missed = _running(run, at)
-    cut = RPC_TIMEOUT_S + 3
-    run.hosts.partition(k)
-    time.sleep(cut)
-    run.hosts.heal(k)
-    return _result(f"h{k} cut off at step {at} for {cut:g} s (past cluster.rpc_timeout_s), "
-                   "then healed", True, missed)
+    return _cut(run, rnd, P, W, RPC_TIMEOUT_S + 3, " (past cluster.rpc_timeout_s)")
 
 
 def host_slow_link(run, rnd, P, W):
@@ -198,21 +195,23 @@ def host_slow_link(run, rnd, P, W):
                    missed)
 
 
-def host_lost_worker(run, rnd, P, W):
+def _lost(run, rnd, P, W, again_s):
+    """A worker host lost at a random step; its task started again `again_s` later (None:
+    never)."""
     k = _worker_host(rnd, P, W)
     at = _at_step(run, rnd)
     missed = _running(run, at)
-    run.power_off(k)
-    return _result(f"h{k} (worker{k - P}) lost at step {at}, not started again", True, missed)
+    run.power_off(k, start_again_after_s=again_s)
+    then = "not started again" if again_s is None else f"its task started again {again_s:g} s later"
+    return _result(f"h{k} (worker{k - P}) lost at step {at}, {then}", True, missed)
+
+
+def host_lost_worker(run, rnd, P, W):
+    return _lost(run, rnd, P, W, None)
 
 
 def host_lost_worker_restarted(run, rnd, P, W):
-    k = _worker_host(rnd, P, W)
-    at = _at_step(run, rnd)
-    missed = _running(run, at)
-    run.power_off(k, start_again_after_s=2)
-    return _result(f"h{k} (worker{k - P}) lost at step {at}, its task started again 2 s later",
-                   True, missed)
+    return _lost(run, rnd, P, W, 2)
 
 
 def host_lost_ps_restarted(run, rnd, P, W):

@@ -63,10 +63,9 @@ def overrides(b, rows: int, steps: int) -> list[str]:
 
 def _local_rank(rank: int, world: int, port: int, cfg, sparse: bool, threads: int, out) -> None:
     """A process holding the whole model: one of DDP's ranks, or with world=1 the single one."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from benchmarks.peers import _setup, init_gloo, train_timed
+    from benchmarks.peers import _setup, init_gloo, train_and_report
 
     torch.set_num_threads(threads)
     init_gloo(rank, world, port)
@@ -77,14 +76,8 @@ def _local_rank(rank: int, world: int, port: int, cfg, sparse: bool, threads: in
     dense = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     opts = [torch.optim.Adam(dense, lr=cfg.optim.lr),
             torch.optim.Adagrad(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps)]
-    steps, warm = cfg.train.steps, cfg.train.warmup_steps
-    _, elapsed = train_timed(DDP(model) if world > 1 else model, loss_fn, batches, opts, steps,
-                             warm)
-    if rank == 0:
-        out.put({"samples_per_s": (steps - warm) * world * cfg.train.batch_size / elapsed})
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    train_and_report(DDP(model) if world > 1 else model, loss_fn, batches, opts, cfg, rank,
+                     world, out)
 
 
 def ddp(cfg, sparse: bool) -> dict:
@@ -141,7 +134,6 @@ def _torchrec_rank(rank: int, world: int, port: int, cfg, threads: int, out) -> 
     with TorchRecTables for tables. TorchRec's planner places no row-wise table on CPU, so the
     plan is written by hand: the big (first) table row-wise, table k of the others whole on rank
     k % world."""
-    import torch.distributed as dist
     from torch.distributed.optim import _apply_optimizer_in_backward
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -151,7 +143,7 @@ def _torchrec_rank(rank: int, world: int, port: int, cfg, threads: int, out) -> 
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from benchmarks.peers import _setup, init_gloo, train_timed
+    from benchmarks.peers import _setup, init_gloo, train_and_report
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's deprecated torch calls
     torch.set_num_threads(threads)
@@ -172,12 +164,7 @@ def _torchrec_rank(rank: int, world: int, port: int, cfg, threads: int, out) -> 
                                      plan=ShardingPlan({"tables.ebc": plan}), sharders=[sharder])
     dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
     opt = torch.optim.Adam(dense, lr=cfg.optim.lr)
-    steps, warm = cfg.train.steps, cfg.train.warmup_steps
-    _, elapsed = train_timed(model, loss_fn, batches, [opt], steps, warm)
-    if rank == 0:
-        out.put({"samples_per_s": (steps - warm) * world * cfg.train.batch_size / elapsed})
-    dist.barrier()
-    dist.destroy_process_group()
+    train_and_report(model, loss_fn, batches, [opt], cfg, rank, world, out)
 
 
 def torchrec_missing() -> str:

@@ -50,11 +50,10 @@ class _Out:
 def _ddp_rank(rank: int, world: int, port, cfg, threads: int, fp16: bool, out) -> None:
     """DDP over gloo of the config's model (resnet18 here), with or without DDP's fp16
     compression hook (gradients halved on the wire, summed, then cast back)."""
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from benchmarks.peers import _setup, init_gloo, train_timed
+    from benchmarks.peers import _setup, init_gloo, train_and_report
     from psrpc.optim.dense import build_optimizer
 
     torch.set_num_threads(threads)
@@ -64,12 +63,7 @@ def _ddp_rank(rank: int, world: int, port, cfg, threads: int, fp16: bool, out) -
     if fp16:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
-    steps, warm = cfg.train.steps, cfg.train.warmup_steps
-    _, elapsed = train_timed(model, loss_fn, batches, [opt], steps, warm)
-    if rank == 0:
-        out.put({"samples_per_s": (steps - warm) * world * cfg.train.batch_size / elapsed})
-    dist.barrier()
-    dist.destroy_process_group()
+    train_and_report(model, loss_fn, batches, [opt], cfg, rank, world, out)
 
 
 def main(argv: list[str]) -> None:

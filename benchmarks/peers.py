@@ -53,6 +53,21 @@ def init_gloo(rank: int, world: int, port: Optional[int], always: bool = False) 
     dist.init_process_group("gloo", init_method=method, rank=rank, world_size=world)
 
 
+def train_and_report(model, loss_fn, batches, opts: list, cfg: Config, rank: int, world: int,
+                     out) -> None:
+    """A peer rank's timed training (`train_timed` over cfg.train.steps); rank 0 puts the
+    steady-state samples/s of the whole group in `out`; then the group ends."""
+    import torch.distributed as dist
+
+    steps, warm = cfg.train.steps, cfg.train.warmup_steps
+    _, elapsed = train_timed(model, loss_fn, batches, opts, steps, warm)
+    if rank == 0:
+        out.put({"samples_per_s": (steps - warm) * world * cfg.train.batch_size / elapsed})
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _setup(cfg: Config, world: int, rank: int, own_tables: bool = True):
     """What every peer process builds, as a psrpc worker would: data, model, loss, batches.
     The model holds its embedding tables whole, or with `own_tables=False` no rows at all: for a
