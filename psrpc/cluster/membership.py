@@ -74,6 +74,13 @@ def failed_key(attempt: int) -> str:
     return f"psrpc/attempt-{attempt}/failed"
 
 
+def _raise_if_failed(s) -> None:
+    """Stop with the line of a rank that marked this attempt failed (no epoch mends it)."""
+    key = failed_key(_STATE["attempt"])
+    if s.check([key]):
+        raise PsrpcError(f"{_me()}: {s.get(key).decode()}")
+
+
 def _gather_key(attempt: int, epoch: int, what) -> str:
     return f"psrpc/attempt-{attempt}/epoch-{epoch}/gather/{what}"
 
@@ -158,12 +165,12 @@ def wait_change(timeout_s: float) -> bool:
             if announced() > current():
                 _CHANGE.set()
                 break
-            s, key = store.store(), failed_key(_STATE["attempt"])
-            why = s.get(key).decode() if _STATE["self_announce"] and s.check([key]) else ""
+            if _STATE["self_announce"]:
+                _raise_if_failed(store.store())
+        except PsrpcError:
+            raise
         except Exception:  # the store went away with the launcher
             return False
-        if why:
-            raise PsrpcError(f"{_me()}: {why}")
         if time.monotonic() >= deadline:
             return False
     return True
@@ -250,11 +257,10 @@ def _given_up(epoch: int) -> None:
     """`epoch` was given up with ranks missing, by a rank whose wait ended first: wait for a
     newer epoch (the local launcher's, once it has started the missing rank again), else stop
     with that rank's line (where the ranks announce epochs it is final, in failed_key)."""
-    s, key = store.store(), failed_key(_STATE["attempt"])
+    s = store.store()
     deadline = time.monotonic() + _STATE["timeout_s"]
     while announced() <= epoch:
-        if s.check([key]):
-            raise PsrpcError(f"{_me()}: {s.get(key).decode()}")
+        _raise_if_failed(s)
         if time.monotonic() >= deadline:
             raise PsrpcError(f"{_me()}: membership epoch {epoch} was given up with ranks "
                              f"missing, and no newer epoch came within {_STATE['timeout_s']:g} "
@@ -289,8 +295,7 @@ def _gather(epoch: int, deadline: float) -> bool:
         if _STOPPING.is_set():
             raise PsrpcError(f"{_me()}: stopped by a signal while joining membership epoch "
                              f"{epoch}")
-        if s.check([failed_key(attempt)]):
-            raise PsrpcError(f"{_me()}: {s.get(failed_key(attempt)).decode()}")
+        _raise_if_failed(s)
         newer = announced() > epoch
         if newer or time.monotonic() >= deadline:
             if s.compare_set(state, "", "abandoned") == b"go":
