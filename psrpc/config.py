@@ -65,6 +65,11 @@ class SyncUpdateConfig:
     dense: str = MISSING
     """ps: dense parameters on the PS; allreduce: replicated on the workers, averaged by a
     process group among them (gloo / NCCL), their optimizer there; only tables on the PS."""
+    host_push: str = MISSING
+    """auto: the workers of a host whose indices fill an aligned block add their dense
+    gradients on the host and one of them pushes the sum to each shard on another host,
+    sharing the reply; on: also to a shard on their own host reached over TCP; off: every
+    worker pushes its own."""
 
 
 @dataclass
@@ -81,6 +86,9 @@ class AsyncUpdateConfig:
     """What crosses the wire: float32, bfloat16 or float16 (the master copy stays float32)."""
     dense: str = MISSING
     """ps only: dense all-reduce is synchronous (update=sync)."""
+    host_push: str = MISSING
+    """auto or off: each gradient is applied on its own (a host's sum would wait for the
+    host's slowest worker); on is refused."""
 
 
 @dataclass

@@ -85,6 +85,16 @@ def check_values(cfg: Config) -> None:
             f"shares float32 gradients; update.wire_dtype={u.wire_dtype} is for a network: use "
             "cluster.shm=auto (TCP for this run) or update.wire_dtype=float32")
     one_of(("ps", "allreduce"), u.dense, "update.dense")
+    one_of(("auto", "on", "off"), u.host_push, "update.host_push")
+    if u.host_push == "on":
+        why = ("needs update=sync: in async each gradient is applied on its own" if
+               u.name != "sync" else "is for parallel=data" if p.name != "data" else
+               "is for update.dense=ps (with allreduce no dense gradient goes to the PS)"
+               if u.dense != "ps" else "needs every worker in each round: with backup "
+               "workers (update.replicas_to_aggregate) a host's sum would count as several "
+               "gradients at once" if u.replicas_to_aggregate not in (None, replicas(cfg))
+               else None)
+        require(why is None, "update.host_push", "on", f"{why}; use auto or off")
     if u.name == "sync":
         r = u.replicas_to_aggregate
         require(r is None or 1 <= r <= replicas(cfg), "update.replicas_to_aggregate", r,

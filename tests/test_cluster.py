@@ -2,7 +2,8 @@
 because both sides do the same operations in the same order (so it holds on any CPU, whatever
 its kernels): the number of PS, async with one worker vs sync, reruns, and W workers of batch B
 against one worker accumulating W micro-batches of B (train.accumulate: the micro-batches'
-gradients summed in the order a sync round sums its workers' and divided as it divides).
+gradients summed in the order a sync round sums its workers', the binary tree of
+psrpc/optim/treesum.py, and divided as it divides).
 
 Against one worker taking the W·B samples in one pass the contract is approximate: one GEMM
 over W·B rows rounds differently from W GEMMs over B, and with ReLUs a rounding can move a
@@ -24,9 +25,10 @@ def reference(tmp_path_factory):
                        ["cluster.num_workers=1", "train.batch_size=32"])
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, 3, 4])
 def test_sync_w_workers_equal_one_worker_accumulating_w_micro_batches(tmp_path, workers):
-    """W × B = 1 × (W micro-batches of B), bit for bit; W=3: the sums' order matters."""
+    """W × B = 1 × (W micro-batches of B), bit for bit; W=3: the sums' order matters; W=4: the
+    tree's order ((g0 + g1) + (g2 + g3)) is not left to right, on both sides."""
     batch = 48 // workers
     many = run_cluster(tmp_path / "many", [f"cluster.num_workers={workers}",
                                            f"train.batch_size={batch}"])

@@ -9,8 +9,9 @@ peer as far as the sockets take it without blocking, and `wait` sends the rest w
 the peers' buffers (poll on both directions: two peers sending large buffers at once cannot
 block each other), then adds them.
 
-The sum: every process adds the W buffers in rank order, x0 + x1 + ... + x(W-1), so every
-replica gets the same bits (with two, the bits gloo gives: a + b = b + a).
+The sum: every process adds the W buffers in the PS's order (the binary tree over the ranks,
+psrpc/optim/treesum.py), so every replica gets the same bits, the bits a PS would give (with
+two, the bits gloo gives too: a + b = b + a).
 
 Forming (`form`), through the store prefix of the membership epoch: each process publishes its
 host and a listening address in Linux's abstract namespace. When the W are not all on one host,
@@ -36,6 +37,7 @@ import torch
 
 from psrpc.cluster.shm import close_socket, host_id, peer_uid
 from psrpc.errors import PsrpcError
+from psrpc.optim.treesum import Scratch, leaves, tree_sum
 
 _HEAD = struct.Struct("<QQ")  # each buffer sent: the all-reduce's sequence number, its bytes
 POLL_SLICE_S = 0.1  # how often forming looks at the store for a rank that gave up
@@ -60,6 +62,7 @@ class LocalGroup:
         self._peer = {sock.fileno(): p for p, sock in socks.items()}  # poll's fd -> peer rank
         self._spare: dict[tuple, dict] = {}  # (numel, dtype) -> receive buffers by peer
         self.broken: Optional[LocalReduceError] = None  # every later call fails with it
+        self._scratch = Scratch()  # the tree sum's buffers
 
     def allreduce(self, tensors: list[torch.Tensor]) -> "_Work":
         (t,) = tensors
@@ -161,11 +164,9 @@ class LocalGroup:
         ordered = peers[:self.rank] + [t] + peers[self.rank:]
         if self.size == 2:  # a + b, the same bits on both (addition commutes)
             t.add_(ordered[1 - self.rank])
-        else:
-            total = ordered[0].clone()
-            for x in ordered[1:]:
-                total.add_(x)
-            t.copy_(total)
+        else:  # the PS's order: the tree over the ranks (psrpc/optim/treesum.py)
+            out = self._scratch.like(t)(-1)
+            t.copy_(tree_sum(leaves(ordered), out, self._scratch.like(t)))
         self._spare[key] = bufs
         self.waited = seq
 

@@ -1,7 +1,7 @@
 """What crosses the wire between a worker and a shard, both ways: the types both sides agree on.
 
-A push carries (worker, version, gradient in the wire dtype, loss, samples, ticket); a shard
-answers with a `Reply`; the staleness clock answers `admit` with a `Ticket`.
+A push carries (worker, version, gradient in the wire dtype, loss, samples, ticket[, host sum]);
+a shard answers with a `Reply`; the staleness clock answers `admit` with a `Ticket`.
 """
 
 from __future__ import annotations
@@ -40,3 +40,17 @@ class Ticket:
     seq: Optional[int]  # the push becomes update seq+1 on every shard; None: not admitted
     finished: bool = False  # training is over: stop
     # seq None and not finished: the gradient is staler than k; pull fresh parameters
+
+
+@dataclass(frozen=True)
+class HostSum:
+    """A push carrying the sum of several workers' gradients, added on their host
+    (update.host_push): the pushing worker leads the aligned block of 2^level workers starting
+    at its index. `workers`: those whose gradient is in the sum, in order, with their
+    `losses`; `excused`: those of the block whose gradient was not finite (their batch is
+    skipped, as a non-finite push's)."""
+
+    level: int
+    workers: tuple
+    losses: tuple
+    excused: tuple = ()

@@ -25,11 +25,12 @@ from typing import Any, Optional
 import torch
 
 from psrpc.cluster import comm, shm
-from psrpc.cluster.wire import WIRE_DTYPES, Reply
+from psrpc.cluster.wire import WIRE_DTYPES, HostSum, Reply
 from psrpc.errors import PushRejected
 from psrpc.faults import NoFaults
 from psrpc.optim.dense import build_optimizer, count_step, step_scaled
 from psrpc.optim.schedule import lr_factor
+from psrpc.optim.treesum import Scratch, tree_sum
 from psrpc.ps.snapshots import ShardSnapshots
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.updates import build_updater
@@ -101,18 +102,22 @@ class Shard:
             self.optimizer.load_state_dict(restored)
         self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
         self._sum: Optional[torch.Tensor] = None  # float32, a sync round's gradient sum
+        self._scratch = Scratch()  # the tree sum's partial sums
 
     # -- the verbs (called through the Handle) ---------------------------------------------------
     @comm.async_execution
     def push_pull(self, worker: int, version: int, grad: torch.Tensor, loss: float,
-                  samples: int, ticket: Optional[int] = None):
+                  samples: int, ticket: Optional[int] = None, host: Optional[HostSum] = None):
         """Push one gradient computed on `version`; the Future holds the Reply with fresh params.
         Every argument is checked before anything changes; a non-finite gradient (or loss) is
         handed on as None: the update rule skips it and counts it. `ticket`: from `admit`, with
-        bounded staleness only."""
+        bounded staleness only. `host`: the gradient is the sum of a block of workers of one
+        host (update.host_push, sync only)."""
         t0 = time.perf_counter()
         try:
             self._check(worker, version, grad, loss, samples, ticket)
+            if host is not None:  # (a sync round's to check: only it takes them)
+                getattr(self.updater, "check_host", _no_host_sums(self.name))(worker, grad, host)
         except PushRejected as e:
             return comm.failed(e)
         void = shm.is_marker(grad, shm.VOID)  # computed across an update: discarded (sync only)
@@ -121,8 +126,9 @@ class Shard:
             grad = self.slots[worker]
         try:
             finite = not void and math.isfinite(loss) and self._finite(grad)
+            extra = {"void": True} if void else {"host": host} if host is not None else {}
             future = self.updater.push(worker, version, grad if finite else None, loss, samples,
-                                       ticket, **({"void": True} if void else {}))
+                                       ticket, **extra)
             if viewer:  # it reads the master copy itself: no parameters in the reply
                 return future.then(lambda f: replace(f.value(), params=_NO_PARAMS))
             return future
@@ -230,7 +236,7 @@ class Shard:
                     "max_staleness": s.staleness_max,
                     "mean_staleness": s.staleness_sum / max(1, s.applied_pushes),
                     "per_worker_applied": dict(s.per_worker_applied),
-                    "per_worker_stale": dict(s.per_worker_stale),
+                    "per_worker_stale": dict(s.per_worker_stale), "host_sums": s.host_sums,
                     "loss": self.recent_loss, "busy_s": round(s.busy_s, 4),
                     "ps": self.name.split("/")[0],
                     "workers_lost": sorted(self.updater.live.lost)}
@@ -249,21 +255,25 @@ class Shard:
         # float32 in sum would be absurd); 20× cheaper than isfinite(grad).all()'s mask.
         return bool(torch.isfinite(grad.sum(dtype=torch.float32)))
 
-    def average(self, grads: list[torch.Tensor], workers=None) -> torch.Tensor:
-        """The mean of a sync round's gradients, summed left to right (worker order) in
-        float32."""
-        if len(grads) == 1:
-            return grads[0]
+    def average(self, grads: list[torch.Tensor], workers=None, levels=None,
+                count: Optional[int] = None) -> torch.Tensor:
+        """The mean of a sync round's gradients: summed in float32 as the binary tree over the
+        workers' indices (psrpc/optim/treesum.py), divided by the workers counted. `levels[i]`:
+        grads[i] is already the sum of the aligned block of 2^level workers starting at
+        workers[i] (one push for a host's workers, update.host_push); `count`: how many
+        workers' gradients the sums hold (default: one each)."""
+        workers = list(range(len(grads))) if workers is None else list(workers)
+        levels = [0] * len(grads) if levels is None else list(levels)
+        count = len(grads) if count is None else count
         if self._sum is None:
             self._sum = torch.zeros_like(self.params)
-        total = self._sum
-        if grads[0].dtype == torch.float32 and grads[1].dtype == torch.float32:
-            torch.add(grads[0], grads[1], out=total)
-        else:  # sum bf16/fp16 gradients in float32, not in their own precision
-            total.copy_(grads[0]).add_(grads[1])
-        for g in grads[2:]:
-            total.add_(g)
-        return total.div_(len(grads))
+        total = tree_sum(list(zip(workers, levels, grads)), self._sum,
+                         self._scratch.like(self._sum))
+        if count == 1:
+            return total
+        if total is not self._sum:  # one push holding several workers' sum: not divided in place
+            total = self._sum.copy_(total)
+        return total.div_(count)
 
     def step_optimizer(self, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
         """One optimizer step on the master copy with this (already averaged) gradient, at the
@@ -375,3 +385,10 @@ class Shard:
         if grad.device.type != "cpu" or grad.layout != torch.strided:
             raise PushRejected(f"{name}: worker{worker} pushed a {grad.layout} tensor on "
                                f"{grad.device}, expected a dense CPU tensor")
+
+
+def _no_host_sums(name: str):
+    def refuse(worker, grad, host):
+        raise PushRejected(f"{name}: worker{worker} pushed a host's sum, but only sync rounds "
+                           "take one (update.host_push)")
+    return refuse

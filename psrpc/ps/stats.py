@@ -14,6 +14,7 @@ class ShardStats:
     staleness_max: int = 0
     staleness_sum: int = 0
     busy_s: float = 0.0  # time spent in push_pull handlers (the PS side of a round)
+    host_sums: int = 0  # pushes that carried a host's sum of several workers' (update.host_push)
     per_worker_applied: dict = field(default_factory=dict)
     per_worker_stale: dict = field(default_factory=dict)
 

@@ -2,9 +2,11 @@
 
 A push adds its gradient to the round and gets the round's Future: the RPC thread is free while
 the worker waits (`async_execution`). When `replicas_to_aggregate` gradients (default: every live
-worker) are in, they are summed in worker order (so that a rerun gives the same bits whatever
-order they arrived in), averaged, the optimizer steps once, the version goes up and every waiter
-gets the same fresh parameters: large-batch SGD over the union of their batches.
+worker) are in, they are summed in the binary tree over the workers' indices (psrpc/optim/
+treesum.py: a rerun gives the same bits whatever order they arrived in, and a host's sum of an
+aligned block of workers, update.host_push, takes that block's place in the tree), averaged,
+the optimizer steps once, the version goes up and every waiter gets the same fresh
+parameters: large-batch SGD over the union of their batches.
 
 A gradient computed on an older version is stale: dropped, counted, answered at once with the
 current parameters (backup workers: with N < W the first N make the round). A non-finite gradient
@@ -29,6 +31,7 @@ from typing import Optional
 import torch
 
 from psrpc.cluster import comm
+from psrpc.cluster.wire import HostSum
 from psrpc.errors import PushRejected
 from psrpc.ps.liveness import LiveSet, Watchdog
 
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 
 class SyncAggregator:
     takes_void = True  # a push may say its gradient is void (shm.VOID): excused, counted stale
+    takes_host = True  # a push may carry a host's sum of several workers' (update.host_push)
 
     def __init__(self, shard, cfg, num_workers: int):
         self.shard = shard
@@ -50,7 +54,11 @@ class SyncAggregator:
                                   f"{shard.name}-round-timeout")
 
     def _new_round(self) -> None:
-        self._grads: dict[int, torch.Tensor] = {}  # worker -> its gradient (as received)
+        # first worker of a push -> its gradient (as received), and the block it sums:
+        # level 0 for one worker's, s for a host's sum of the 2^s workers from there on
+        self._grads: dict[int, torch.Tensor] = {}
+        self._levels: dict[int, int] = {}
+        self._summed: set[int] = set()  # workers whose gradient is in `_grads`
         self._losses: dict[int, float] = {}
         # pushed a non-finite or a void gradient: in the round, no vote
         self._excused: set[int] = set()
@@ -60,38 +68,56 @@ class SyncAggregator:
 
     @property
     def members(self) -> set[int]:
-        return set(self._grads) | self._excused
+        return self._summed | self._excused
 
     def needed(self) -> int:
         """Pushes that close the round: N, or fewer when workers are lost."""
         return max(1, min(self.replicas_to_aggregate, len(self.live.alive)))
 
     def push(self, worker: int, version: int, grad: Optional[torch.Tensor], loss: float,
-             samples: int, ticket=None, void: bool = False):
+             samples: int, ticket=None, void: bool = False, host=None):
         """`grad` None: the shard found the push non-finite. `void`: the worker computed its
         gradient across an update of a master copy it reads in place (shared memory, views:
         a round closed without it); it is dropped and counted as stale, and the worker is
-        excused from the round (no vote), as for a non-finite gradient."""
+        excused from the round (no vote), as for a non-finite gradient. `host` (a HostSum,
+        checked by the shard): `grad` is the sum of `host.workers`' gradients, the rest of
+        the block excused; each of them is a member of the round."""
         shard = self.shard
+        block = [worker] if host is None else sorted(set(host.workers) | set(host.excused))
         with shard.lock:
-            self.live.seen(worker)
+            for w in block:
+                self.live.seen(w)
             if version < shard.version:  # stale (also when training has just finished)
-                shard.stats.stale(worker)
+                for w in block:
+                    shard.stats.stale(w)
                 return comm.completed(shard.reply(accepted=False))
             if shard.finished:
                 return comm.completed(shard.reply(accepted=False))
-            if worker in self.members:
+            twice = [w for w in block if w in self.members]
+            if twice:
                 return comm.failed(PushRejected(
-                    f"{shard.name}: worker{worker} pushed twice for step {version}"))
+                    f"{shard.name}: worker{twice[0]} pushed twice for step {version}"))
             if void:
                 shard.stats.stale(worker)
                 self._excused.add(worker)
-            elif grad is None:
-                shard.count_nonfinite(worker, version)
-                self._excused.add(worker)
+            elif grad is None or (host is not None and not host.workers):
+                for w in block:
+                    shard.count_nonfinite(w, version)
+                    self._excused.add(w)
             else:
                 self._grads[worker] = grad
-                self._losses[worker] = float(loss)
+                if host is None:
+                    self._levels[worker] = 0
+                    self._summed.add(worker)
+                    self._losses[worker] = float(loss)
+                else:
+                    shard.stats.host_sums += 1
+                    self._levels[worker] = host.level
+                    self._summed.update(host.workers)
+                    self._losses.update(zip(host.workers, map(float, host.losses)))
+                    for w in host.excused:
+                        shard.count_nonfinite(w, version)
+                        self._excused.add(w)
                 self._samples += int(samples)
             if self._opened is None:
                 self._opened = time.monotonic()
@@ -105,15 +131,41 @@ class SyncAggregator:
             return future.then(lambda f: replace(f.value(), accepted=False, skipped=True))
         return future
 
+    def check_host(self, worker: int, grad, host) -> None:
+        """A host's sum (update.host_push): a block of this shard's workers, led by the pushing
+        worker; raises PushRejected otherwise (called before anything changes)."""
+        name = self.shard.name
+        if not isinstance(host, HostSum) or not isinstance(grad, torch.Tensor):
+            raise PushRejected(f"{name}: worker{worker} pushed {host!r} with "
+                               f"{type(grad).__name__}: expected a HostSum with a tensor")
+        level, block = host.level, set(host.workers) | set(host.excused)
+        end = worker + (1 << level) if type(level) is int and 1 <= level <= 30 else -1
+        ok = (end > worker and worker % (1 << level) == 0 and worker in block
+              and len(block) == len(host.workers) + len(host.excused)
+              and all(type(w) is int and worker <= w < min(end, self.num_workers) for w in block)
+              and list(host.workers) == sorted(host.workers)
+              and len(host.losses) == len(host.workers)
+              and all(type(x) in (int, float) for x in host.losses))
+        if not ok:
+            raise PushRejected(f"{name}: worker{worker} pushed a malformed host sum {host!r}: "
+                               "expected the workers of the aligned block of 2^level starting "
+                               "at the pusher, each once, a loss for each in the sum")
+
     def _close_round(self):
         """Sum in worker order, average, step, reply. Caller holds the lock; returns
         (future, reply or exception) to complete outside the lock."""
         shard, future = self.shard, self._future
-        workers = sorted(self._grads)
+        workers = sorted(self._summed)
         try:
             if workers:
                 loss = sum(self._losses[w] for w in workers) / len(workers)
-                shard.step_optimizer(shard.average([self._grads[w] for w in workers], workers))
+                firsts = sorted(self._grads)  # the tree's leaves and host sums, in place
+                grads = [self._grads[w] for w in firsts]
+                if len(firsts) == len(workers):  # one gradient per worker (a table's too)
+                    shard.step_optimizer(shard.average(grads, firsts))
+                else:  # (only dense shards take host sums)
+                    shard.step_optimizer(shard.average(
+                        grads, firsts, [self._levels[w] for w in firsts], count=len(workers)))
                 for w in workers:
                     shard.stats.applied(w, 0)
                 shard.stats.samples += self._samples

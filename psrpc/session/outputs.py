@@ -143,6 +143,7 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "final_checkpoint_error": final_checkpoint_error,  # null: written (or none asked)
         **_table_traffic(plan, workers),
         **_dense_replicas(cfg, workers),
+        "host_push": sorted({w["host_push"] for w in workers.values() if w.get("host_push")}),
         **_tables(reports),
         # TCP bytes between hosts as the kernel counted them, per pair and library
         "host_traffic": traffic,

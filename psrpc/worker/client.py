@@ -31,10 +31,12 @@ class ShardClient:
         return replies
 
     def push_one(self, shard: int, version: int, grad: torch.Tensor, loss: float,
-                 samples: int, ticket: Optional[int] = None):
-        """Push one shard now (while backward goes on); returns the Future of its Reply."""
+                 samples: int, ticket: Optional[int] = None, host=None):
+        """Push one shard now (while backward goes on); returns the Future of its Reply.
+        `host`: the gradient is a host's sum (a HostSum, update.host_push)."""
+        extra = () if host is None else (host,)
         return comm.invoke(self.shards[shard], "push_pull", self.worker, version, grad, loss,
-                           samples, ticket, timeout_s=self.timeout_s)
+                           samples, ticket, *extra, timeout_s=self.timeout_s)
 
     def push_pull_async(self, versions: list[int], grads: list[torch.Tensor], loss: float,
                         samples: int, ticket: Optional[int] = None) -> list:

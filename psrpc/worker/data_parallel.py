@@ -27,9 +27,10 @@ from psrpc.cluster.wire import WIRE_DTYPES, Reply
 from psrpc.config import Config
 from psrpc.errors import PsrpcError
 from psrpc.factories import Data
+from psrpc.optim.treesum import TreeAccumulator
 from psrpc.sparse.rows import mean_rows
 from psrpc.sparse.tables import find_tables
-from psrpc.worker import rng
+from psrpc.worker import hostpush, rng
 from psrpc.worker.allreduce import DenseAllReduce
 from psrpc.worker.cache import RowCache
 from psrpc.worker.client import ShardClient
@@ -67,6 +68,8 @@ class Worker(Replica):
         # at t (see `run`). Buffers (BatchNorm) would take t+1's batch before the chief saves
         # step t+1's: such models, and micro-batches (train.accumulate), step one at a time.
         self.accumulate = cfg.train.accumulate
+        self.host = hostpush.Blocks()  # update.host_push: this epoch's block on this host
+        self._accumulator = TreeAccumulator()
         self.pipelined = bool(self.tables) and self.allreduce is not None and self.sync \
             and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model) \
             and self.accumulate == 1 and cfg.sparse.pull_ahead != "off"
@@ -152,7 +155,7 @@ class Worker(Replica):
         them, the tables' and the clock's wait for `push`. With train.accumulate=k the batch
         goes through in k micro-batches, each as worker index·k+m of a cluster of W·k workers
         of batch B/k would take it (its rows, its random draws), and their gradients are
-        averaged as a sync round averages W·k workers' (summed in order, divided by k; the
+        averaged as a sync round averages W·k workers' (summed in its tree order, divided by k; the
         tables' by the PS's own function): one worker accumulating k micro-batches of B gives
         the bits of k workers of B."""
         x, y = self.batches.get(step)
@@ -164,9 +167,16 @@ class Worker(Replica):
         futures: list = [None] * len(versions)
         ticket, value = None, 0.0
 
+        block = self.host.current(self.cfg, self.index, self.topo.replicas, self.client.shards,
+                                  self.flat, self.plan.layouts[0].shard_numel, self.stats)
+
         def push(k: int) -> None:  # once shard k's gradient is on the host (at once on CPU)
             if self.allreduce is not None:  # (all-reduced among the workers instead)
                 self.allreduce.start(k)
+                return
+            if block is not None and block.shards[k]:  # the host's workers push one sum
+                self.flat.send(k, lambda g: futures.__setitem__(k, block.push(
+                    self.client, k, versions[k], g, value, self.batch)))
                 return
             self.flat.send(k, lambda g: futures.__setitem__(
                 k, self.client.push_one(k, versions[k], g, value, self.batch, ticket)))
@@ -179,6 +189,7 @@ class Worker(Replica):
         overlap = not (nan or self.bounded or clip or parts > 1)
         self.faults.before_backward(versions[0])
         losses, table_parts = [], []
+        acc = self._accumulator if parts > 1 else None
         for m, (xm, ym) in enumerate(split_batch((x, y), parts) if parts > 1 else [(x, y)]):
             rng.seed_all(rng.step_seed(self.cfg.train.seed, self.replica * parts + m, step))
             loss = self.forward_loss(self.model, xm, ym)
@@ -188,10 +199,15 @@ class Worker(Replica):
                 self.flat.arm(push)
             loss.backward()
             table_parts.append(self.table_gradients())
+            if acc is not None:  # summed as a round sums workers: the tree (optim/treesum.py)
+                acc.add(self.flat.all_grads())
+                for g in self.flat.all_grads():
+                    g.zero_()
         rest = self.flat.disarm() if overlap else list(range(len(self.flat.params)))
         value = sum(losses) / parts  # (as a round averages its workers' losses)
         table_grads = table_parts[0] if parts == 1 else _mean_of_parts(table_parts)
-        if parts > 1:
+        if acc is not None:
+            acc.total(self.flat.all_grads())
             for g in self.flat.all_grads():
                 g.div_(parts)  # (as the PS's average and the all-reduce divide)
         if nan:
@@ -351,6 +367,7 @@ class Worker(Replica):
                 break
         if isinstance(self.rows, RowCache):  # what it still holds (an early stop) to the PS
             self.rows.hand_over()
+        self.host.close()
         if self.allreduce is not None:
             self.stats.dense_digest = self.allreduce.digest()
             self.stats.dense_group = self.allreduce.kind()

@@ -39,6 +39,7 @@ from psrpc.config import Config
 from psrpc.factories import Data
 from psrpc.faults import build_faults
 from psrpc.models.stages import stage_module
+from psrpc.optim.treesum import Scratch, tree_sum
 from psrpc.worker.client import ShardClient
 from psrpc.worker.flat import FlatModel
 from psrpc.worker.loader import split_batch, to_device
@@ -72,6 +73,7 @@ class Stage:
         self.named = list(self.module.named_parameters())
         self.params = [p for _, p in self.named]
         self._leaves: dict[int, list[torch.Tensor]] = {}  # micro-batch -> its parameter leaves
+        self._scratch = Scratch()  # the micro-batches' tree sum
         self.flat = FlatModel(self.module, layout, self.device,
                               WIRE_DTYPES[cfg.update.wire_dtype])
         self.client = ShardClient(shards, replica)
@@ -158,11 +160,14 @@ class Stage:
         `ticket`: the staleness clock's, with bounded staleness."""
         grads = dist_autograd.get_gradients(context_id)
         self.flat.zero_grad()
-        with torch.no_grad():
-            for micro in sorted(self._leaves):
-                for p, leaf in zip(self.params, self._leaves[micro]):
-                    if leaf in grads:
-                        p.grad.add_(grads[leaf])
+        with torch.no_grad():  # the micro-batches' sum in a round's order (optim/treesum.py)
+            for i, p in enumerate(self.params):
+                items = [(micro, 0, grads[self._leaves[micro][i]]) for micro in
+                         sorted(self._leaves) if self._leaves[micro][i] in grads]
+                if items:
+                    total = tree_sum(items, p.grad, self._scratch.like(p.grad))
+                    if total is not p.grad:
+                        p.grad.copy_(total)
         self.discard()
         if self.clip:  # this stage's own gradient norm (per worker, as in data parallel)
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)

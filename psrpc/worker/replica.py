@@ -47,6 +47,7 @@ class WorkerStats:
     side_channel: int = 0  # of those, pushes through a side channel (a PS on this host)
     dense_digest: Optional[str] = None  # update.dense=allreduce: the replica's, at the end
     dense_group: Optional[str] = None  # and what averaged it (DenseAllReduce.kind)
+    host_push: Optional[str] = None  # update.host_push: its block (hostpush.HostPush), if any
 
 
 def model_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
