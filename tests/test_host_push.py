@@ -11,7 +11,7 @@ from psrpc.cluster.wire import HostSum
 from psrpc.errors import ConfigError, PushRejected
 from psrpc.optim.treesum import Scratch, TreeAccumulator, leaves, tree_sum
 from psrpc.worker.hostpush import block_of
-from tests.conftest import assert_equal_model, compose, run_cluster
+from tests.conftest import assert_equal_model, assert_same_model, compose, run_cluster
 from tests.unit_helpers import make_shard, push, sync
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,3 +193,16 @@ def test_a_non_finite_gradient_in_a_block_skips_only_its_workers_batch(tmp_path)
     assert one["shards"][0]["nan_rejected"] == each["shards"][0]["nan_rejected"] == 1
     assert one["shards"][0]["host_sums"] == 20
     assert_equal_model(state, state_each)
+
+
+def test_bfloat16_host_sums_differ_from_separate_pushes_only_by_one_rounding(tmp_path):
+    """update.wire_dtype=bfloat16: the block's sum goes out in bfloat16, one rounding more than
+    the PS's float32 sum of separate bfloat16 pushes: close to them, not the same bits."""
+    base = ["cluster.num_workers=4", "train.batch_size=8", "cluster.shm=off",
+            "update.wire_dtype=bfloat16"]
+    one, state = run_cluster(tmp_path / "on", base + ["update.host_push=on"])
+    each, state_each = run_cluster(tmp_path / "off", base + ["update.host_push=off"])
+    assert one["shards"][0]["host_sums"] == 20 and each["shards"][0]["host_sums"] == 0
+    # within a couple of bfloat16 steps at these weights' magnitude (2^-8 at 0.5-1: 0.004)
+    assert_same_model(state, state_each, rtol=0, atol=1e-2)
+    assert any(not torch.equal(state[k], state_each[k]) for k in state)

@@ -160,26 +160,31 @@ def test_an_error_or_ctrl_c_inside_tears_everything_down(nothing_left):
 @pytest.mark.slow
 def test_two_hosts_under_torchrun_equal_the_local_launcher(nothing_left, tmp_path):
     """Two emulated hosts, a torchrun agent on each (c10d rendezvous on h0, ranks on eth1), 1 PS
-    and 3 workers: ps0 and worker0 share h0 (shared memory), worker1 and worker2 are on h1 (TCP
-    through the bridge). The model equals the local launcher's bit for bit."""
+    and 4 workers: ps0 and worker0 share h0 (shared memory); worker1, worker2 and worker3 are on
+    h1 (TCP through the bridge), where worker2 and worker3 fill an aligned block and push one
+    sum (update.host_push=auto) while worker1 pushes its own. The model equals the local
+    launcher's (every worker on one host, pushing its own) bit for bit."""
     args = on_cpu(["train.steps=20", "train.batch_size=16", "data.size=2048",
-                   "data.test_size=256", "cluster.num_workers=3", "cluster.worker_threads=1"])
+                   "data.test_size=256", "cluster.num_workers=4", "cluster.worker_threads=1"])
     local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
     assert local.returncode == 0, local.stderr
     with hosts.Hosts(2) as h:
-        codes, logs = _torchrun(h, tmp_path, args, "hosts")
+        codes, logs = _torchrun(h, tmp_path, args, "hosts", procs=(2, 3))
         traffic = [h.counters(k) for k in range(2)]
     assert codes == [0, 0], logs
     assert "shared memory with the PS on the same host: 1 of 1 shards" in logs
-    # the two remote workers' pushes and pulls crossed the bridge: 1.08 MB each, 20 steps
-    assert traffic[0]["tx_bytes"] > 2 * 20 * 1.0e6 and traffic[1]["tx_bytes"] > 2 * 20 * 1.0e6
+    # two pushes a step crossed the bridge (worker1's, the block's), 1.08 MB each, where each
+    # worker's own would be three
+    assert 2 * 20 * 1.0e6 < traffic[1]["tx_bytes"] < 2.5 * 20 * 1.08e6
     a = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "outputs" / "torchrun" / "hosts" / "model.pt", weights_only=True)
     assert_equal_model(a, b)
     summary = json.loads((tmp_path / "outputs" / "torchrun" / "hosts" / "summary.json")
                          .read_text())
+    assert summary["host_push"] == ["workers 2-3 push as one, led by worker2"]
+    assert summary["shards"][0]["host_sums"] == 20
     assert summary["host_traffic"]["hosts"] == {"h0": ["worker0", "ps0"],
-                                                "h1": ["worker1", "worker2"]}
+                                                "h1": ["worker1", "worker2", "worker3"]}
     assert summary["host_traffic"]["bytes"]["h1 -> h0"]["tensorpipe"] > 2 * 20 * 1.0e6
     _assert_counts_agree(summary, traffic)
 

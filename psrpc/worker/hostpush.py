@@ -132,7 +132,7 @@ class HostPush:
 
     def _send_grad(self, k: int, version: int, grad: torch.Tensor, loss: float,
                    samples: int) -> None:
-        data = memoryview(grad.numpy()).cast("B")
+        data = _bytes(grad)
         sock = self.socks[self.first]
         sock.sendall(_GRAD.pack(k, version, loss, samples, data.nbytes))
         sock.sendall(data)
@@ -149,7 +149,7 @@ class HostPush:
                 raise HostPushError(f"host push: worker{w} sent shard {k2} of step {v2} "
                                     f"({nbytes} bytes) where shard {k} of step {version} was "
                                     "due: the block's workers are out of step")
-            self._read_into(w, memoryview(buf.numpy()).cast("B"))
+            self._read_into(w, _bytes(buf))
             given[w] = (buf, loss2, samples2)
         summed = [w for w in self.members if math.isfinite(given[w][1])
                   and bool(torch.isfinite(given[w][0].sum(dtype=torch.float32)))]
@@ -184,7 +184,7 @@ class HostPush:
                                       + struct.pack("<q", len(msg)) + msg)
             self._resolve(fut, error=e)
             return
-        data = memoryview(reply.params.contiguous().numpy()).cast("B")
+        data = _bytes(reply.params.contiguous())
         for w in self.members[1:]:
             mine = _own(reply, w in excused)
             self.socks[w].sendall(_REPLY.pack(
@@ -213,7 +213,7 @@ class HostPush:
                 if k2 != k or nbytes != buf.numel() * buf.element_size():
                     raise HostPushError(f"host push: worker{self.first} handed on shard {k2} "
                                         f"({nbytes} bytes) where shard {k}'s reply was due")
-                self._read_into(self.first, memoryview(buf.numpy()).cast("B"))
+                self._read_into(self.first, _bytes(buf))
                 self._resolve(fut, Reply(version, buf, accepted, finished,
                                          None if math.isnan(loss) else loss, samples, stale,
                                          skipped))
@@ -282,6 +282,11 @@ class HostPush:
         self._pending.put((None, None))
         self._send.shutdown(wait=False)
         self._recv.shutdown(wait=False)
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, in place (numpy has no bfloat16: seen as bytes)."""
+    return memoryview(t.view(torch.uint8).numpy())
 
 
 def _own(reply: Reply, excused: bool) -> Reply:
