@@ -10,11 +10,13 @@ Every system runs under torchrun, one agent per host (c10d on h0, ranks on eth1)
 ranks on h0:
 - dlrm (the 1M-row table of benchmarks.embeddings, B per worker, W = workers): psrpc with ps0
   and worker0 on h0 and one worker on each other host; `psrpc` (dense on the PS), `_cache`
-  (the workers' hot-row cache), `_allreduce` (dense all-reduce, tables on the PS), `_ahead`
-  (a staleness bound of one step, rows pulled ahead, no cache rows); DDP
-  `sparse=True` and TorchRec row-wise (where installed) with one rank per host;
+  (the workers' hot-row cache; `_cache_hold`: write-back), `_allreduce` (dense all-reduce,
+  tables on the PS), `_ahead` (a staleness bound of one step, rows pulled ahead, no cache
+  rows); DDP `sparse=True` and TorchRec row-wise (where installed) with one rank per host;
 - resnet18 (`workers_per_host` workers a host): psrpc sync with ps0 on h0, float32 and
-  `update.wire_dtype=bfloat16`; DDP over gloo, and with its fp16 compression hook.
+  `update.wire_dtype=bfloat16`, the workers of each other host pushing one sum
+  (update.host_push=auto; `psrpc_own_pushes`: each its own); DDP over gloo, and with its fp16
+  compression hook.
 
 Steady state: samples/s after the warm-up, and the chief's host's eth1 bytes per step over the
 same steps (with 2 hosts what h0 sends is what h1 receives: both hosts' counts). The median of
@@ -87,7 +89,9 @@ def workload(b, name: str) -> tuple[list[str], list[int], list[int]]:
 
 SYSTEM_OVERRIDES = {
     "psrpc": [], "psrpc_bf16": ["update.wire_dtype=bfloat16"],
-    "psrpc_cache": ["CACHE"], "psrpc_allreduce": ["update.dense=allreduce"],
+    "psrpc_cache": ["CACHE"], "psrpc_cache_hold": ["CACHE_HOLD"],
+    "psrpc_allreduce": ["update.dense=allreduce"],
+    "psrpc_own_pushes": ["update.host_push=off"],  # each worker of a host pushes its own
     "psrpc_allreduce_cache": ["update.dense=allreduce", "CACHE"],
     # the best one-host configuration (benchmarks.embeddings): each step computed while the
     # last one's round is under way, its rows pulled ahead, no cache rows
@@ -112,7 +116,9 @@ def run_one(b, system: str, ov: list[str], procs: list[int], peer_procs: list[in
             for o in SYSTEM_OVERRIDES[system]:
                 extra += ([f"sparse.cache_rows={b.cache.rows}",
                            f"sparse.cache_staleness={b.cache.staleness}",
-                           f"sparse.cache_writes={b.cache.writes}"] if o == "CACHE" else [o])
+                           "sparse.cache_writes=" + ("hold" if o == "CACHE_HOLD" else
+                                                     b.cache.writes)]
+                          if o.startswith("CACHE") else [o])
             hook = ("hooks=[{_target_: benchmarks.link_peer.LinkBytes, from_step: "
                     f"{warm}}}]")
             torchrun(h, procs, ["psrpc", *ov, *extra, *b.psrpc, hook, "cluster.interface=eth1",
