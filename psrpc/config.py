@@ -37,6 +37,8 @@ class ClusterConfig:
     """How long ranks wait for each other at start-up, and workers for the chief's init."""
     transports: Optional[list[str]] = MISSING
     """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
+    channels: Optional[list[str]] = MISSING
+    """TensorPipe channels (what carries tensors): cma, mpt_uv, basic; null: all three."""
     port: Optional[int] = MISSING
     """Local launcher's rendezvous port; null: MASTER_PORT if set, else a free one."""
     shm: str = MISSING

@@ -144,7 +144,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
         comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
                   rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
                   threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
-                  attempt=topo.restart_count, interface=topo.interface,
+                  channels_=cfg.cluster.channels, attempt=topo.restart_count, interface=topo.interface,
                   agent_store=topo.agent_store, epoch=epoch, abort=abort)
 
     if topo.role == "ps" and topo.shm_run and cfg.cluster.shm != "off" and shm.available():

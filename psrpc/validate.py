@@ -20,7 +20,7 @@ from hydra._internal.utils import _locate  # what hydra.utils.instantiate import
 from torch.utils.data import default_collate
 
 from psrpc.cluster import netif
-from psrpc.cluster.comm import TRANSPORTS
+from psrpc.cluster.comm import CPU_CHANNELS, TRANSPORTS
 from psrpc.cluster.topology import replicas
 from psrpc.cluster.wire import WIRE_DTYPE_NAMES
 from psrpc.config import Config
@@ -65,6 +65,9 @@ def check_values(cfg: Config) -> None:
     require(c.transports is None or (c.transports and set(c.transports) <= set(TRANSPORTS)),
            "cluster.transports", c.transports,
            f"must list TensorPipe transports from {list(TRANSPORTS)}, or be null (its default)")
+    require(c.channels is None or (c.channels and set(c.channels) <= set(CPU_CHANNELS)),
+            "cluster.channels", c.channels,
+            f"must list TensorPipe channels from {list(CPU_CHANNELS)}, or be null (all of them)")
     if c.interface is not None:
         netif.check_interface(c.interface, "cluster.interface")
     if p.name == "model":
