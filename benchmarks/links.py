@@ -15,8 +15,8 @@ ranks on h0:
   rows); DDP `sparse=True` and TorchRec row-wise (where installed) with one rank per host;
 - resnet18 (`workers_per_host` workers a host): psrpc sync with ps0 on h0, float32 and
   `update.wire_dtype=bfloat16`, the workers of each other host pushing one sum
-  (update.host_push=auto; `psrpc_own_pushes`: each its own); DDP over gloo, and with its fp16
-  compression hook.
+  (update.host_push=auto; `psrpc_own_pushes`: each its own; `_spread`: a PS on every host,
+  cluster.ps_placement=spread); DDP over gloo, and with its fp16 compression hook.
 
 Steady state: samples/s after the warm-up, and the chief's host's eth1 bytes per step over the
 same steps (with 2 hosts what h0 sends is what h1 receives: both hosts' counts). The median of
@@ -92,6 +92,8 @@ SYSTEM_OVERRIDES = {
     "psrpc_cache": ["CACHE"], "psrpc_cache_hold": ["CACHE_HOLD"],
     "psrpc_allreduce": ["update.dense=allreduce"],
     "psrpc_own_pushes": ["update.host_push=off"],  # each worker of a host pushes its own
+    # a PS on every host (cluster.ps_placement=spread): each link carries a share of the PS's
+    "psrpc_spread": ["SPREAD"], "psrpc_bf16_spread": ["SPREAD", "update.wire_dtype=bfloat16"],
     "psrpc_allreduce_cache": ["update.dense=allreduce", "CACHE"],
     # the best one-host configuration (benchmarks.embeddings): each step computed while the
     # last one's round is under way, its rows pulled ahead, no cache rows
@@ -113,7 +115,13 @@ def run_one(b, system: str, ov: list[str], procs: list[int], peer_procs: list[in
         t0 = time.perf_counter()
         if system.startswith("psrpc"):
             extra = []
+            if "SPREAD" in SYSTEM_OVERRIDES[system]:  # one PS more on every host but the first
+                ov = [o for o in ov if not o.startswith("cluster.num_ps=")] + [
+                    f"cluster.num_ps={b.hosts}", "cluster.ps_placement=spread"]
+                procs = [procs[0]] * b.hosts
             for o in SYSTEM_OVERRIDES[system]:
+                if o == "SPREAD":
+                    continue
                 extra += ([f"sparse.cache_rows={b.cache.rows}",
                            f"sparse.cache_staleness={b.cache.staleness}",
                            "sparse.cache_writes=" + ("hold" if o == "CACHE_HOLD" else

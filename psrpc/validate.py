@@ -65,6 +65,11 @@ def check_values(cfg: Config) -> None:
     require(c.transports is None or (c.transports and set(c.transports) <= set(TRANSPORTS)),
            "cluster.transports", c.transports,
            f"must list TensorPipe transports from {list(TRANSPORTS)}, or be null (its default)")
+    require(c.ps_placement in ("first", "spread"), "cluster.ps_placement", c.ps_placement,
+            "must be first or spread")
+    require(c.ps_placement == "first" or p.name == "data", "cluster.ps_placement",
+            c.ps_placement, "spread is for parallel=data (pipeline stages find their devices "
+            "from consecutive ranks)")
     require(c.channels is None or (c.channels and set(c.channels) <= set(CPU_CHANNELS)),
             "cluster.channels", c.channels,
             f"must list TensorPipe channels from {list(CPU_CHANNELS)}, or be null (all of them)")
@@ -89,15 +94,12 @@ def check_values(cfg: Config) -> None:
             "cluster.shm=auto (TCP for this run) or update.wire_dtype=float32")
     one_of(("ps", "allreduce"), u.dense, "update.dense")
     one_of(("auto", "on", "off"), u.host_push, "update.host_push")
-    if u.host_push == "on":
-        why = ("needs update=sync: in async each gradient is applied on its own" if
-               u.name != "sync" else "is for parallel=data" if p.name != "data" else
-               "is for update.dense=ps (with allreduce no dense gradient goes to the PS)"
-               if u.dense != "ps" else "needs every worker in each round: with backup "
-               "workers (update.replicas_to_aggregate) a host's sum would count as several "
-               "gradients at once" if u.replicas_to_aggregate not in (None, replicas(cfg))
-               else None)
-        require(why is None, "update.host_push", "on", f"{why}; use auto or off")
+    why = None if u.host_push != "on" else (
+        "needs update=sync: in async each gradient is applied on its own" if u.name != "sync"
+        else "is for parallel=data" if p.name != "data" else "is for update.dense=ps" if
+        u.dense != "ps" else "needs every worker in each round, no backup workers" if
+        u.replicas_to_aggregate not in (None, replicas(cfg)) else None)
+    require(why is None, "update.host_push", "on", f"{why}; use auto or off")
     if u.name == "sync":
         r = u.replicas_to_aggregate
         require(r is None or 1 <= r <= replicas(cfg), "update.replicas_to_aggregate", r,

@@ -190,6 +190,32 @@ def test_two_hosts_under_torchrun_equal_the_local_launcher(nothing_left, tmp_pat
 
 
 @pytest.mark.slow
+def test_spread_ps_placement_puts_a_ps_on_each_host_and_equals_the_local_launcher(
+        nothing_left, tmp_path):
+    """cluster.ps_placement=spread under torchrun on two hosts, 2 PS and 2 workers: the first
+    rank of each host is a PS (ps0 with worker0 on h0, ps1 with worker1 on h1), so each host's
+    link carries half the shards' pushes one way and half the other. The model equals the local
+    launcher's bit for bit."""
+    args = on_cpu(["train.steps=20", "train.batch_size=16", "data.size=2048",
+                   "data.test_size=256", "cluster.num_ps=2", "cluster.worker_threads=1"])
+    local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
+    assert local.returncode == 0, local.stderr
+    with hosts.Hosts(2) as h:
+        codes, logs = _torchrun(h, tmp_path, args + ["cluster.ps_placement=spread"], "spread")
+        traffic = [h.counters(k) for k in range(2)]
+    assert codes == [0, 0], logs
+    there = tmp_path / "outputs" / "torchrun" / "spread"
+    summary = json.loads((there / "summary.json").read_text())
+    assert summary["host_traffic"]["hosts"] == {"h0": ["worker0", "ps0"],
+                                                "h1": ["worker1", "ps1"]}
+    pairs = summary["host_traffic"]["bytes"]
+    assert pairs["h0 -> h1"]["tensorpipe"] > 20 * 0.3e6 < pairs["h1 -> h0"]["tensorpipe"]
+    assert_equal_model(torch.load(tmp_path / "local" / "model.pt", weights_only=True),
+                       torch.load(there / "model.pt", weights_only=True))
+    _assert_counts_agree(summary, traffic)
+
+
+@pytest.mark.slow
 def test_three_hosts_of_srun_style_tasks_equal_the_local_launcher(nothing_left, tmp_path):
     """One task per emulated host with the variables srun gives them (SLURM_NODELIST=h[0-2];
     task 0 on h0 hosts the store): ps0 on h0, worker0 on h1, worker1 on h2, every byte between

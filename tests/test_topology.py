@@ -58,6 +58,42 @@ def test_from_env_reads_srun_variables():
     assert Topology.from_env(1, 3, env=per_node).local_world_size == 2
 
 
+def _torchrun_env(rank: int, per_node: list[int]) -> dict:
+    """torchrun's variables for global `rank` of nodes holding `per_node` ranks each."""
+    node = next(n for n in range(len(per_node)) if rank < sum(per_node[:n + 1]))
+    return {"RANK": str(rank), "WORLD_SIZE": str(sum(per_node)), "GROUP_RANK": str(node),
+            "GROUP_WORLD_SIZE": str(len(per_node)), "LOCAL_WORLD_SIZE": str(per_node[node]),
+            "LOCAL_RANK": str(rank - sum(per_node[:node]))}
+
+
+@pytest.mark.parametrize("per_node, ps, names", [
+    ([3, 3, 3], 3, ["ps0", "worker0", "worker1", "ps1", "worker2", "worker3", "ps2", "worker4",
+                    "worker5"]),
+    ([3, 2], 2, ["ps0", "worker0", "worker1", "ps1", "worker2"]),
+    ([2, 2, 2], 2, ["ps0", "worker0", "ps1", "worker1", "worker2", "worker3"]),
+    ([1, 2], 1, ["ps0", "worker0", "worker1"]),  # one PS: the same as first
+])
+def test_spread_puts_the_first_rank_of_each_node_to_work_as_a_ps(per_node, ps, names):
+    world = sum(per_node)
+    topos = [Topology.from_env(ps, world - ps, env=_torchrun_env(r, per_node), placement="spread")
+             for r in range(world)]
+    assert [t.name for t in topos] == names
+    assert sorted(t.rank for t in topos) == list(range(world))  # every rank once
+    for t, r in zip(topos, range(world)):
+        node = int(_torchrun_env(r, per_node)["GROUP_RANK"])
+        assert t.workers_on_this_node == max(1, per_node[node] - int(node < ps))
+
+
+def test_spread_with_more_ps_than_nodes_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"cluster.ps_placement='spread': 2 node\(s\) for "
+                                          r"cluster.num_ps=3"):
+        Topology.from_env(3, 3, env=_torchrun_env(0, [3, 3]), placement="spread")
+    srun = {**SRUN_ENV, "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_NODEID": "3",
+            "SLURM_LOCALID": "0"}
+    t = Topology.from_env(2, 2, env=srun, placement="spread")  # 4 nodes from tasks per node
+    assert t.name == "worker1"
+
+
 def test_one_slurm_task_runs_the_local_launcher_and_torchrun_comes_first():
     for one in ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "5"},  # srun -n1
                 {"SLURM_PROCID": "0", "SLURM_JOB_ID": "5"}):                   # sbatch's script

@@ -39,6 +39,10 @@ class Launched:
     master_port: int
     local_rank: int = 0
     local_world_size: int = 1
+    node: int = 0
+    """This process's node (torchrun's GROUP_RANK, srun's SLURM_NODEID); ranks are numbered
+    node after node."""
+    nodes: int = 1
     restart_count: int = 0
     agent_store: bool = False
     submitit: bool = False
@@ -88,6 +92,7 @@ def _torchrun(env: Mapping[str, str]) -> Optional[Launched]:
         how="torchrun --nproc-per-node × --nnodes", find_master_addr=lambda: addr,
         master_port=_int(env, "MASTER_PORT", 0), local_rank=_int(env, "LOCAL_RANK", 0),
         local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
+        node=_int(env, "GROUP_RANK", 0), nodes=_int(env, "GROUP_WORLD_SIZE", 1),
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         run_id=f"torchrun/{run_id}" if run_id and run_id != "none" else None)
@@ -115,7 +120,9 @@ def _slurm(env: Mapping[str, str]) -> Optional[Launched]:
         how="srun --ntasks, or hydra.launcher.nodes × hydra.launcher.tasks_per_node",
         find_master_addr=lambda: env.get("MASTER_ADDR") or _first_node(env),
         master_port=port, local_rank=_int(env, "SLURM_LOCALID", 0),
-        local_world_size=_tasks_on_node(env, node),
+        local_world_size=_tasks_on_node(env, node), node=node,
+        nodes=_int(env, "SLURM_STEP_NUM_NODES", 0) or _int(env, "SLURM_NNODES", 0)
+        or _nodes(env),
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         submitit=env.get("SUBMITIT_EXECUTOR") == "slurm",
         run_id=(f"slurm/{job}" + (f".{step}" if step else "")) if job else None)
@@ -190,6 +197,15 @@ def _tasks_on_node(env: Mapping[str, str], node: int) -> int:
     if not 0 <= node < len(counts):
         raise ConfigError(f"SLURM_NODEID={node} but {key}={env[key]!r} lists {len(counts)} nodes")
     return counts[node]
+
+
+def _nodes(env: Mapping[str, str]) -> int:
+    """The step's nodes, from its tasks per node (1 where nothing says)."""
+    key = next((k for k in _TASKS_PER_NODE_KEYS if env.get(k)), None)
+    try:
+        return len(slurm.tasks_per_node(env[key])) if key else 1
+    except ValueError as e:
+        raise ConfigError(f"{key}={env[key]!r}: {e}") from None
 
 
 def interface_for(configured: Optional[str], env: Mapping[str, str]) -> Optional[str]:

@@ -1,9 +1,13 @@
 """The one object that maps ranks to roles: who is a PS, a worker, the chief, a pipeline stage.
 
 Ranks [0, P) are parameter servers ps0..ps{P-1}; ranks [P, P+W) are workers
-worker0..worker{W-1}; worker0 is the chief. In model-parallel mode worker i is stage i % S of
-pipeline replica i // S. What the launcher says about this process (its rank, the store's
-address) is read by psrpc/cluster/launchers.py, for `Topology.from_env` alone.
+worker0..worker{W-1}; worker0 is the chief. Under torchrun and srun the launcher's ranks fill
+node after node, so the PS run on the first node(s); with cluster.ps_placement=spread the first
+rank of node k is ps{k} instead (k < P) and the others are the workers in the launcher's order
+(`spread_rank`): each node's link then carries a share of the PS traffic. In model-parallel
+mode worker i is stage i % S of pipeline replica i // S. What the launcher says about this
+process (its rank, the store's address) is read by psrpc/cluster/launchers.py, for
+`Topology.from_env` alone.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Topology:
     """Started by Hydra's submitit launcher: this process runs its rank of one job of a sweep."""
     shm_run: Optional[str] = None
     """The local launcher's name for this run's shared-memory segments (it removes them)."""
+    node_workers: Optional[int] = None
+    """Workers on this process's node, where the ranks of a node are not consecutive ones
+    (cluster.ps_placement=spread); None: counted from the ranks."""
 
     @property
     def world_size(self) -> int:
@@ -52,12 +59,13 @@ class Topology:
     def from_config(cls, cfg, env: Optional[Mapping[str, str]] = None) -> "Topology":
         """`from_env` with the cluster's sizes, stages and interface from a Config."""
         return cls.from_env(cfg.cluster.num_ps, cfg.cluster.num_workers, pipeline_stages(cfg),
-                            cfg.cluster.interface, env)
+                            cfg.cluster.interface, env, cfg.cluster.ps_placement)
 
     @classmethod
     def from_env(cls, num_ps: int, num_workers: int, stages: int = 1,
                  interface: Optional[str] = None,
-                 env: Optional[Mapping[str, str]] = None) -> "Topology":
+                 env: Optional[Mapping[str, str]] = None,
+                 placement: str = "first") -> "Topology":
         """This process's rank, from whoever started it (torchrun, srun, submitit: the module
         docstring); without one this is the local launcher's parent (whose ranks listen on
         loopback whatever the environment says, see `launch`).
@@ -79,7 +87,11 @@ class Topology:
                 f"cluster.num_workers={num_workers} = {num_ps + num_workers}: launch exactly "
                 f"P + W processes ({started.how} = {num_ps + num_workers}), or change "
                 f"cluster.num_ps / cluster.num_workers")
-        return cls(**base, rank=started.rank, master_addr=started.find_master_addr(),
+        rank, node_workers = started.rank, None
+        if placement == "spread":
+            rank, node_workers = spread_rank(started, num_ps)
+        return cls(**base, rank=rank, master_addr=started.find_master_addr(),
+                   node_workers=node_workers,
                    master_port=started.master_port, local_rank=started.local_rank,
                    local_world_size=started.local_world_size,
                    restart_count=started.restart_count,
@@ -174,9 +186,26 @@ class Topology:
     @property
     def workers_on_this_node(self) -> int:
         """Workers sharing this node's cores (for the default thread count)."""
+        if self.node_workers is not None:
+            return max(1, self.node_workers)
         first = self.rank - self.local_rank
         last = first + self.local_world_size
         return max(1, sum(1 for r in range(first, last) if r >= self.num_ps))
+
+
+def spread_rank(started, num_ps: int) -> tuple[int, int]:
+    """cluster.ps_placement=spread: (psrpc's rank for the launcher's `started.rank`, the workers
+    on its node). The first rank of node k < P is ps{k}; every other rank is a worker, numbered
+    in the launcher's order. Needs as many nodes as PS."""
+    if started.nodes < num_ps:
+        raise ConfigError(f"cluster.ps_placement='spread': {started.nodes} node(s) for "
+                          f"cluster.num_ps={num_ps}: it puts one PS on each of the first nodes; "
+                          "use at most one PS per node, or cluster.ps_placement=first")
+    has_ps = started.node < num_ps
+    if has_ps and started.local_rank == 0:
+        return started.node, started.local_world_size - 1
+    before = min(started.node, num_ps) + int(has_ps)  # PS ranks the launcher numbered lower
+    return num_ps + started.rank - before, started.local_world_size - int(has_ps)
 
 
 def pipeline_stages(cfg) -> int:
