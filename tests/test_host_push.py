@@ -206,3 +206,18 @@ def test_bfloat16_host_sums_differ_from_separate_pushes_only_by_one_rounding(tmp
     # within a couple of bfloat16 steps at these weights' magnitude (2^-8 at 0.5-1: 0.004)
     assert_same_model(state, state_each, rtol=0, atol=1e-2)
     assert any(not torch.equal(state[k], state_each[k]) for k in state)
+
+
+def test_a_killed_worker_of_a_block_rejoins_and_the_block_forms_again(tmp_path):
+    """worker3 of the block 0-3 is SIGKILLed at step 20: the leader's wait for its gradient
+    fails at once (its socket closed), the launcher starts it again, the block forms again in
+    the new membership epoch, and the run finishes with host sums on both sides of the kill."""
+    summary, _ = run_cluster(tmp_path, [
+        "cluster.num_workers=4", "train.batch_size=8", "cluster.shm=off",
+        "update.host_push=on", "train.steps=60", "fault.crash_role=worker",
+        "fault.crash_index=3", "fault.crash_at_step=20"])
+    assert summary["steps"] == 60 and summary["restored_from_step"] is None
+    assert summary["workers_rejoined"] == 1 and summary["workers_lost"] == 0
+    (shard,) = summary["shards"]
+    assert shard["host_sums"] > 40  # (the rounds around the kill may go without the block)
+    assert summary["host_push"] == ["workers 0-3 push as one, led by worker0"]
