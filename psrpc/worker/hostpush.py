@@ -151,19 +151,14 @@ class HostPush:
                                     "due: the block's workers are out of step")
             self._read_into(w, _bytes(buf))
             given[w] = (buf, loss2, samples2)
-        summed = [w for w in self.members if math.isfinite(given[w][1])
-                  and bool(torch.isfinite(given[w][0].sum(dtype=torch.float32)))]
+        summed = [w for w in self.members if math.isfinite(given[w][1])]
+        total, finite = self._sum(k, given, summed)
+        if not finite:  # some gradient is not finite: which ones, and the others' sum (should
+            # that overflow, the PS finds it not finite and excuses them all)
+            summed = [w for w in summed if _finite(given[w][0])]
+            total, _ = self._sum(k, given, summed)
         excused = tuple(w for w in self.members if w not in summed)
         if summed:
-            out = self._out.get(k)
-            if out is None:
-                out = self._out[k] = torch.empty(self.numels[k], dtype=torch.float32)
-            total = tree_sum([(w, 0, given[w][0]) for w in summed], out, self._scratch.like(out))
-            if total.dtype != self.wire_dtype:
-                wire = self._wire.get(k)
-                if wire is None:
-                    wire = self._wire[k] = torch.empty(self.numels[k], dtype=self.wire_dtype)
-                total = wire.copy_(total)
             mean_loss = sum(given[w][1] for w in summed) / len(summed)
         else:  # every gradient was non-finite: the PS excuses them all
             total, mean_loss = grad, float("nan")
@@ -172,6 +167,24 @@ class HostPush:
         rpc = client.push_one(k, version, total, mean_loss, sum(given[w][2] for w in summed),
                               host=host)
         self._send.submit(self._guarded, self._hand_on, k, rpc, fut, excused)
+
+    def _sum(self, k: int, given: dict, workers: list[int]) -> tuple:
+        """(The tree sum of `workers`' gradients of shard k in the wire dtype, whether it is
+        finite). A finite sum has no NaN or Inf in any of its gradients: one check of the sum
+        instead of one of each (one gradient alone is the PS's to check)."""
+        if not workers:
+            return None, True
+        out = self._out.get(k)
+        if out is None:
+            out = self._out[k] = torch.empty(self.numels[k], dtype=torch.float32)
+        total = tree_sum([(w, 0, given[w][0]) for w in workers], out, self._scratch.like(out))
+        finite = len(workers) == 1 or _finite(total)
+        if total.dtype != self.wire_dtype:
+            wire = self._wire.get(k)
+            if wire is None:
+                wire = self._wire[k] = torch.empty(self.numels[k], dtype=self.wire_dtype)
+            total = wire.copy_(total)
+        return total, finite
 
     def _hand_on(self, k: int, rpc: Future, fut: Future, excused: tuple) -> None:
         """Leader: shard k's reply to every worker of the block, then to this one."""
@@ -282,6 +295,11 @@ class HostPush:
         self._pending.put((None, None))
         self._send.shutdown(wait=False)
         self._recv.shutdown(wait=False)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in `t` (one float32 sum: they propagate into it)."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float32)))
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
