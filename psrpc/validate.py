@@ -89,9 +89,6 @@ def check_values(cfg: Config) -> None:
            c.rpc_timeout_s, f"must exceed update.timeout_s={u.timeout_s} (calls wait at the "
            "barrier that long), or be null")
     one_of(WIRE_DTYPE_NAMES, u.wire_dtype, "update.wire_dtype")
-    require(c.shm != "on" or u.wire_dtype == "float32", "cluster.shm", c.shm,
-            f"shares float32 gradients; update.wire_dtype={u.wire_dtype} is for a network: use "
-            "cluster.shm=auto (TCP for this run) or update.wire_dtype=float32")
     one_of(("ps", "allreduce"), u.dense, "update.dense")
     one_of(("auto", "on", "off"), u.host_push, "update.host_push")
     why = None if u.host_push != "on" else (

@@ -58,8 +58,6 @@ from tests.conftest import compose
      "update.replicas_to_aggregate=2: must be null (every worker) with update.dense=allreduce"),
     (["update.dense=allreduce", "update.wire_dtype=bfloat16"],
      "update.wire_dtype='bfloat16': must be float32 with update.dense=allreduce"),
-    (["cluster.shm=on", "update.wire_dtype=bfloat16"],
-     "cluster.shm='on': shares float32 gradients; update.wire_dtype=bfloat16"),
 ])
 def test_bad_value_names_key_value_and_what_is_allowed(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -64,12 +64,13 @@ def test_nan_gradient_skips_its_batch_and_the_run_goes_on(tmp_path, wire, worker
 
 
 def test_every_gradient_overflowing_stops_with_an_error_naming_worker_and_step(tmp_path):
-    """float16 on the wire with gradients past 65504: every push is non-finite. The run stops
+    """float16 on the wire (TCP: shared memory carries float32) with gradients past 65504: every
+    push is non-finite. The run stops
     after train.nonfinite_patience in a row instead of pushing the same batch forever."""
     with pytest.raises(ClusterFailed, match=r"worker0: 3 non-finite gradients in a row \(the "
                                             r"last at step \d+, .*float16 overflows past 65504"):
         run_cluster(tmp_path, ["cluster.num_workers=1", "update.wire_dtype=float16",
-                               "optim.lr=1e5", "train.nonfinite_patience=3",
+                               "cluster.shm=off", "optim.lr=1e5", "train.nonfinite_patience=3",
                                "train.steps=50"], timeout_s=120)
 
 

@@ -210,8 +210,8 @@ def mode(cfg, same_host: bool, machine: Optional[str] = None) -> Optional[str]:
     host's processor (platform.machine() of the PS); views only where stores are seen in order
     (x86), since the seqlock of `writing` has no fences."""
     setting = cfg.cluster.shm
-    if setting == "off" or not same_host or cfg.update.wire_dtype != "float32":
-        return None
+    if setting == "off" or not same_host:  # (update.wire_dtype is for what crosses a network:
+        return None  # shared memory carries float32 whatever it says)
     if (why := problem()) is not None:
         if setting == "on":
             raise PsrpcError(f"cluster.shm=on but shared memory cannot be used here: {why}; use "

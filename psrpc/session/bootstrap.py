@@ -211,8 +211,8 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
         log.info("shared memory with the PS on the same host: %d of %d shards (%s)",
                  sum(1 for x in shared if x), len(shared), next(x for x in shared if x)[0])
     elif cfg.cluster.shm == "on":
-        raise PsrpcError("cluster.shm=on but no worker shares a host with a parameter server "
-                         "(or update.wire_dtype is not float32): use cluster.shm=auto or off")
+        raise PsrpcError("cluster.shm=on but no worker shares a host with a parameter server: "
+                         "use cluster.shm=auto or off")
     return shared
 
 
