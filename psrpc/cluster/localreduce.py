@@ -124,7 +124,7 @@ class LocalGroup:
 
     def _exchange(self, t: torch.Tensor, seq: int) -> None:
         """Finish sending this all-reduce (later ones may wait: the peers read those in their
-        later waits), read every peer's buffer of it, add them in rank order."""
+        later waits), read every peer's buffer of it, add them in the tree's order."""
         key = (t.numel(), t.dtype)
         bufs = self._spare.pop(key, None) or {p: torch.empty_like(t) for p in self.socks}
         want = {p: [bytearray(_HEAD.size), 0, memoryview(bufs[p].numpy()).cast("B"), 0]

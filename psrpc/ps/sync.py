@@ -152,7 +152,7 @@ class SyncAggregator:
                                "at the pusher, each once, a loss for each in the sum")
 
     def _close_round(self):
-        """Sum in worker order, average, step, reply. Caller holds the lock; returns
+        """Sum in the tree order, average, step, reply. Caller holds the lock; returns
         (future, reply or exception) to complete outside the lock."""
         shard, future = self.shard, self._future
         workers = sorted(self._summed)
