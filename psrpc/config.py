@@ -39,6 +39,9 @@ class ClusterConfig:
     """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
     channels: Optional[list[str]] = MISSING
     """TensorPipe channels (what carries tensors): cma, mpt_uv, basic; null: all three."""
+    ps_replicas: int = MISSING
+    """k: every shard also lives on k further PS (other hosts first), kept equal to it update by
+    update; a lost PS fails over to one without a roll back. 0: none."""
     ps_placement: str = MISSING
     """Under torchrun/srun: first (ranks 0..P-1 are the PS, on the first node) or spread (the
     first rank of each of the first P nodes is a PS)."""

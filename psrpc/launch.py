@@ -215,8 +215,8 @@ class _Cluster:
             is_worker = name.startswith("worker")
             budget = c.max_worker_restarts if is_worker else c.max_ps_restarts
             can = (self.restarts.get(name, 0) < budget
-                   and (self.cfg.parallel.name == "data" if is_worker
-                        else bool(self.cfg.checkpoint.dir)))
+                   and (self.cfg.parallel.name == "data" if is_worker  # a PS: its shards
+                        else bool(self.cfg.checkpoint.dir or c.ps_replicas)))  # come back
             if can:
                 again.append(name)
             elif is_worker:

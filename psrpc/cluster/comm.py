@@ -295,6 +295,11 @@ def invoke_many(calls: list, timeout_s: Optional[float] = None) -> Future:
                          args=([(h.key, m, a) for h, m, a in calls],), timeout=_t(timeout_s))
 
 
+def me() -> str:
+    """This process's name in the current group."""
+    return rpc.get_worker_info().name
+
+
 def owner_name(target) -> str:
     return target.owner if isinstance(target, Handle) else target.owner_name()
 

@@ -228,9 +228,9 @@ class AsyncApplier:
                     ready += self._drain()
         comm.resolve_all(ready)
 
-    def new_epoch(self) -> None:
+    def new_epoch(self, replay: bool = False) -> None:
         """The old group's held pushes and clock waits are dropped (their workers push again);
-        every worker is back."""
+        every worker is back. (`replay`: sync's; an async push is applied on arrival.)"""
         self.live.lost.clear()
         self._held.clear()
         if self.clock is not None:

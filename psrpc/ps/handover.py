@@ -115,6 +115,8 @@ class HandOver:
         else:  # async: each as a push of its own
             for p in payloads:
                 shard.step_optimizer(shard.average([p]))
+        if shard.journal is not None:  # to the backups too (at the same version)
+            shard.journal.commit(shard.version)
 
     def report(self) -> dict:
         """Rows applied per worker (None: not yet), and who never handed over."""

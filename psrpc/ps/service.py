@@ -7,9 +7,14 @@ on its host (`create_segments`, which also cleans up after dead runs).
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from psrpc.cluster import comm, shm
+from psrpc.errors import PsrpcError, first_line
+from psrpc.faults import NoFaults
+from psrpc.ps import replicas
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.tables import TableShard, TableShardSpec
 
@@ -17,13 +22,48 @@ from psrpc.ps.tables import TableShard, TableShardSpec
 SHARD_TYPES = ((TableShardSpec, TableShard), (ShardSpec, Shard))
 
 
+def build_shard(spec: ShardSpec, backup: bool = False) -> Shard:
+    """The shard `spec` describes (a backup: it replays its primary's updates)."""
+    cls = next(cls for kind, cls in SHARD_TYPES if isinstance(spec, kind))
+    return cls(spec, backup)
+
+
 def create_shard(spec: ShardSpec) -> int:
     """Build the shard `spec` describes on this PS and register it under its index; returns
     the index (the key of its comm.Handle)."""
-    cls = next(cls for kind, cls in SHARD_TYPES if isinstance(spec, kind))
-    shard = cls(spec)
+    shard = build_shard(spec)
     comm.register(shard.index, shard)
     return shard.index
+
+
+def create_backup(spec: ShardSpec, state: Optional[dict] = None, seq: int = 0) -> int:
+    """Build a backup of the shard `spec` describes on this PS (cluster.ps_replicas,
+    psrpc/ps/replicas.py): from the spec itself (every copy starts equal), or from its
+    primary's `state` (its checkpoint form) after the primary's update `seq`; then the updates
+    that came meanwhile. Returns the version it holds."""
+    spec = replace(spec, shm=None, faults=NoFaults())
+    if state is not None and getattr(spec, "restore", None) is not None:
+        spec = replace(spec, restore=None)  # (the copy holds the rows: no checkpoint read)
+    backup = build_shard(spec, backup=True)
+    if state is not None:
+        backup.load_state(state, seq)
+    replicas.register_backup(backup)
+    return backup.version
+
+
+def copy_to(index: int, ps: str, timeout_s: float) -> int:
+    """Bring a new backup of shard `index` (its primary here) up on `ps` while training goes
+    on: the state now, taken under the lock, and from then on every update (not waited for
+    until the backup exists). Returns the version copied."""
+    shard = comm.registered()[index]
+    spec, state, seq = shard.start_copy(ps)
+    try:
+        comm.call_sync(ps, create_backup, (spec, state, seq), timeout_s=timeout_s)
+    except Exception as e:
+        shard.copy_failed(ps)
+        raise PsrpcError(f"{shard.name}: copying it to {ps} failed: {first_line(e)}") from e
+    shard.copy_done(ps)
+    return state["version"]
 
 
 _SEGMENTS: list[str] = []  # the shared-memory segments this PS created
@@ -56,12 +96,15 @@ def remove_segments() -> None:
 
 
 def local_shards() -> list[int]:
-    """The indices of the shards this PS holds (a PS started again holds none)."""
-    return sorted(comm.registered())
+    """The indices of the shards this PS serves (a PS started again holds none; backups
+    aside, psrpc/ps/replicas.py)."""
+    return sorted(k for k in comm.registered() if k < replicas.BACKUP)
 
 
 def drop_shards() -> None:
-    """Forget this PS's shards (every shard rolls back to a checkpoint: new ones replace them)."""
+    """Forget this PS's shards and backups (every shard rolls back to a checkpoint: new ones
+    replace them)."""
+    replicas.drop_backups()
     for shard in comm.registered().values():
         shard.close()
     comm.registered().clear()

@@ -31,6 +31,7 @@ from psrpc.faults import NoFaults
 from psrpc.optim.dense import build_optimizer, count_step, step_scaled
 from psrpc.optim.schedule import lr_factor
 from psrpc.optim.treesum import Scratch, tree_sum
+from psrpc.ps.replicas import Journal, digest_of
 from psrpc.ps.snapshots import ShardSnapshots
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.updates import build_updater
@@ -61,9 +62,14 @@ class ShardSpec:
 
 
 class Shard:
-    def __init__(self, spec: ShardSpec):
+    def __init__(self, spec: ShardSpec, backup: bool = False):
         self.index = spec.index  # global shard number (stage · P + k); 0 is the clock shard
         self.name = spec.name or f"ps{spec.index}"
+        self.spec = spec  # what a backup of it is built from (cluster.ps_replicas)
+        self.backup = backup  # a backup: it replays its primary's updates (psrpc/ps/replicas.py)
+        self.journal: Optional[Journal] = None  # a primary with backups: where they are
+        self._replayed = 0  # a backup: the primary's updates applied (their seq)
+        self._early: dict[int, tuple] = {}  # a backup: updates come before their predecessors
         self._init_state(spec)
         self.optim_cfg = spec.optim  # the schedule: lr by global step
         self.total_steps = spec.max_steps
@@ -76,8 +82,8 @@ class Shard:
         self.stats = ShardStats(**spec.stats) if spec.stats else ShardStats()
         self.losses: deque = deque(maxlen=spec.num_workers)  # the last W applied losses
         self._settled: list[torch.futures.Future] = []  # who waits for the last step
-        self.snapshots = ShardSnapshots(self.name, spec.checkpoint_dir, spec.checkpoint_every,
-                                        self._snapshot)
+        self.snapshots = ShardSnapshots(self.name, None if backup else spec.checkpoint_dir,
+                                        spec.checkpoint_every, self._snapshot)
         self.updater = build_updater(self, spec.update, spec.num_workers)  # needs all above
 
     def _init_state(self, spec: ShardSpec) -> None:
@@ -129,6 +135,8 @@ class Shard:
             extra = {"void": True} if void else {"host": host} if host is not None else {}
             future = self.updater.push(worker, version, grad if finite else None, loss, samples,
                                        ticket, **extra)
+            if self.journal is not None and self.journal.live:  # answered once backed up
+                future = self.journal.gate(future)
             if viewer:  # it reads the master copy itself: no parameters in the reply
                 return future.then(lambda f: replace(f.value(), params=_NO_PARAMS))
             return future
@@ -201,12 +209,14 @@ class Shard:
         for fut in waiting:
             threading.Thread(target=fut.set_result, args=(self.version,), daemon=True).start()
 
-    def begin_epoch(self) -> int:
+    def begin_epoch(self, replay: bool = False) -> int:
         """A new membership epoch: the old group's waiters are gone. A sync round that was
-        open closes with what it has (as after update.timeout_s); async held pushes and
-        clock waits are dropped (their workers push again). Returns the version."""
+        open closes with what it has (as after update.timeout_s), or, with `replay` (a PS
+        failed over to a backup: every worker pushes that step again), starts over; async
+        held pushes and clock waits are dropped (their workers push again). Returns the
+        version."""
         with self.lock:
-            self.updater.new_epoch()
+            self.updater.new_epoch(replay)
             self._settled = []
             return self.version
 
@@ -239,11 +249,118 @@ class Shard:
                     "per_worker_stale": dict(s.per_worker_stale), "host_sums": s.host_sums,
                     "loss": self.recent_loss, "busy_s": round(s.busy_s, 4),
                     "ps": self.name.split("/")[0],
-                    "workers_lost": sorted(self.updater.live.lost)}
+                    "workers_lost": sorted(self.updater.live.lost),
+                    **(self.journal.report() if self.journal is not None else {})}
 
     def close(self) -> None:
         self.updater.close()
         self.snapshots.close()
+
+    # -- replicas (cluster.ps_replicas, psrpc/ps/replicas.py) ------------------------------------
+    def digest(self) -> str:
+        """A digest of its state (what a checkpoint of it holds but the counters): a backup's
+        equals its primary's."""
+        with self.lock:
+            state = self._snapshot(self.version)
+        state.pop("stats")  # (a stale push after the last update counts on the primary only)
+        return digest_of(state)
+
+    def stats_dict(self) -> dict:
+        return asdict(self.stats)
+
+    def replicate_to(self, backups: list[str]) -> None:
+        """A primary: send every update from now on to the backups on these PS."""
+        with self.lock:
+            if self.journal is None:
+                self.journal = Journal(self, backups, self._replica_timeout())
+            else:
+                self.journal.live = [b for b in backups if b not in self.journal.copying]
+
+    def _replica_timeout(self) -> float:
+        return float(self.spec.update.timeout_s) + 60.0
+
+    def replay(self, updates: list) -> torch.futures.Future:
+        """A backup: apply its primary's updates in their order (one that comes before its
+        predecessors waits for them); the Future completes once the last of `updates` is
+        applied."""
+        done: list[torch.futures.Future] = []
+        with self.lock:
+            last = torch.futures.Future()
+            for u in updates:
+                if u.seq <= self._replayed:
+                    continue
+                self._early[u.seq] = (u, None)
+            mine = max((u.seq for u in updates), default=0)
+            if mine <= self._replayed:
+                return comm.completed(True)
+            self._early[mine] = (self._early[mine][0], last)
+            while self._replayed + 1 in self._early:
+                u, fut = self._early.pop(self._replayed + 1)
+                for op in u.ops:
+                    if op[0] == "step":
+                        self.step_optimizer(op[1], op[2])
+                    else:
+                        self.count_step()
+                self.version, self.max_steps = u.version, u.max_steps
+                self.stats = type(self.stats)(**u.stats)
+                self.losses.clear()
+                self.losses.extend(u.losses)
+                self._replayed = u.seq
+                if fut is not None:
+                    done.append(fut)
+        for fut in done:
+            fut.set_result(True)
+        return last
+
+    def load_state(self, state: dict, seq: int) -> None:
+        """A backup built from a copy of its primary (`_snapshot`'s form) after update `seq`."""
+        with self.lock:
+            with shm.writing(self.seq):
+                self.params.copy_(state["params"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_common(state, seq)
+
+    def _load_common(self, state: dict, seq: int) -> None:
+        self.version, self._replayed = state["version"], seq
+        self.stats = type(self.stats)(**state["stats"])
+        self.max_steps = state.get("max_steps", self.max_steps)
+        self.losses.clear()
+        self.losses.extend(state.get("losses", []))
+
+    def start_copy(self, ps: str) -> tuple:
+        """A primary: (spec, state, seq) for a new backup on `ps`, taken under the lock; from
+        now on every update goes to `ps` too (not waited for until `copy_done`)."""
+        with self.lock:
+            if self.journal is None:
+                self.journal = Journal(self, [], self._replica_timeout())
+            state = self._snapshot(self.version)
+            state.update(max_steps=self.max_steps, losses=list(self.losses))
+            for names in (self.journal.live, self.journal.copying):
+                if ps in names:
+                    names.remove(ps)
+            self.journal.copying.append(ps)
+            return self.spec, state, self.journal.seq
+
+    def copy_done(self, ps: str) -> None:
+        with self.lock:
+            if ps in self.journal.copying:
+                self.journal.copying.remove(ps)
+                self.journal.live.append(ps)
+
+    def copy_failed(self, ps: str) -> None:
+        with self.lock:
+            if ps in self.journal.copying:
+                self.journal.copying.remove(ps)
+
+    def become_primary(self, name: str) -> None:
+        """A backup whose primary was lost: it serves the shard from now on, writes its
+        checkpoints and, once the chief names them, replicates to new backups."""
+        with self.lock:
+            self.backup, self.name = False, name
+            self.snapshots = ShardSnapshots(name, self.spec.checkpoint_dir,
+                                            self.spec.checkpoint_every, self._snapshot)
+            self.journal = Journal(self, [], self._replica_timeout())
+            self.journal.seq = self._replayed
 
     # -- used by the update rules, under self.lock ------------------------------------------------
     @property
@@ -279,6 +396,8 @@ class Shard:
         """One optimizer step on the master copy with this (already averaged) gradient, at the
         learning rate the schedule gives this step (times `lr_scale`: staleness_lr). The caller
         counts the push and then calls `advance()`."""
+        if self.journal is not None:
+            self.journal.record("step", grad, lr_scale)
         if not self.params.numel():  # the clock shard of update.dense=allreduce: nothing to
             return  # step (an optimizer step over no parameters still costs ~60 us of Python)
         scale = lr_scale * lr_factor(self.version, self.optim_cfg, self.total_steps)
@@ -287,12 +406,16 @@ class Shard:
                         grad if grad.dtype == torch.float32 else grad.float(), self.base_lr, scale)
 
     def count_step(self) -> None:  # catch_up: a step the others applied passes here
+        if self.journal is not None:
+            self.journal.record("count")
         count_step(self.optimizer)
 
     def advance(self) -> None:
         """The global step passes (after an update, or with none: a skipped step). A checkpoint
         due at the new version is snapshotted now, counters included."""
         self.version += 1
+        if self.journal is not None:  # to the backups before anything else can happen here
+            self.journal.commit(self.version)
         self.faults.after_update(self.version)
         self.snapshots.after_update(self.version)
         if self.finished:

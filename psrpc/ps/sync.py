@@ -200,11 +200,14 @@ class SyncAggregator:
         if done is not None:
             comm.resolve_all([done])
 
-    def new_epoch(self) -> None:
+    def new_epoch(self, replay: bool = False) -> None:
         """The round's waiters belonged to the old group: close it with what it has, answering
-        nobody; every worker is back (one was started again)."""
+        nobody; every worker is back (one was started again). `replay`: drop it instead, every
+        worker pushes the same gradient again (a PS failed over, cluster.ps_replicas)."""
         self.live.lost.clear()
-        if self.members:
+        if replay:
+            self._new_round()
+        elif self.members:
             self._future = torch.futures.Future()  # no one waits on it any more
             self._close_round()
 

@@ -64,9 +64,9 @@ class TableShardSpec(ShardSpec):
 
 
 class TableShard(DynamicParts, Shard):
-    def __init__(self, spec: TableShardSpec):
+    def __init__(self, spec: TableShardSpec, backup: bool = False):
         self._restored_stats: Optional[dict] = None
-        super().__init__(spec)
+        super().__init__(spec, backup)
         self.handover = HandOver(self, spec.hand_over, float(spec.update.timeout_s))
         if self._restored_stats is not None:  # this server's own counters, same partition
             self.stats = ShardStats(**self._restored_stats)
@@ -167,13 +167,13 @@ class TableShard(DynamicParts, Shard):
         waited for them; None: update.timeout_s)."""
         return self.handover.settle(Shard.settle(self), wait_s)
 
-    def begin_epoch(self) -> int:
+    def begin_epoch(self, replay: bool = False) -> int:
         """A new membership epoch: the old group's requests ahead, and rows looked up for
         them, are dropped with their rounds."""
         with self.lock:
             self._aheads.clear()
             self._looked_up.clear()
-        return super().begin_epoch()
+        return super().begin_epoch(replay)
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
         with self.lock:
@@ -286,6 +286,8 @@ class TableShard(DynamicParts, Shard):
         return out
 
     def step_optimizer(self, payload: dict, lr_scale: float = 1.0) -> None:
+        if self.journal is not None:
+            self.journal.record("step", payload, lr_scale)
         lr = self.sparse.lr * lr_scale * lr_factor(self.version, self.optim_cfg,
                                                    self.total_steps)
         empty = torch.empty(0, dtype=torch.int64)
@@ -302,6 +304,19 @@ class TableShard(DynamicParts, Shard):
         """A step with no rows: each table counts it (LazyAdam), as for a round that touched
         none of its rows."""
         self.step_optimizer({})
+
+    def load_state(self, state: dict, seq: int) -> None:
+        """A backup built from a copy of its primary (`_snapshot`'s form) after update `seq`."""
+        with self.lock:
+            for name, saved in state["tables"].items():
+                self.weights[name].copy_(saved["weight"])
+                self.row_optim[name].load_state_dict(saved["optimizer"])
+            for name, saved in state["dynamic"].items():
+                self.dynamic.load(name, saved, torch.ones(saved["ids"].shape[0], dtype=torch.bool))
+                table = self.dynamic.tables[name]
+                table.rows_created = saved["counters"]["rows_created"]
+                table.rows_evicted = saved["counters"]["rows_evicted"]
+            self._load_common(state, seq)
 
     def reply(self, accepted: bool, loss: Optional[float] = None, shared: bool = False,
               skipped: bool = False) -> Reply:

@@ -25,7 +25,7 @@ from psrpc.errors import PsrpcError
 from psrpc.factories import Data, load_data
 from psrpc.faults import build_faults
 from psrpc.models.stages import model_cuts, stage_shapes
-from psrpc.ps import service
+from psrpc.ps import replicas, service
 from psrpc.ps.shard import ShardSpec
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.tables import TableShardSpec
@@ -168,7 +168,7 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
                          build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
                          stats[g], name, shared[g] if shared else None)
         specs.append((topo.ps_names[k], spec))
-    shards = _create(specs, cfg.cluster.init_timeout_s)
+    shards = _create(specs, cfg.cluster.init_timeout_s, backup_map(cfg, topo))
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
 
@@ -178,6 +178,8 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
     the shards and workers map them. A worker's id in a shard's rounds is its index in data
     parallel, its replica in model parallel (one stage worker per replica pushes a shard)."""
     layout = Layout.concat(layouts)
+    if cfg.cluster.ps_replicas:  # a shard that fails over leaves its host's segments behind
+        return [None] * layout.num_shards
     hosts = dict(zip(topo.ps_names + topo.worker_names, comm.wait_all(
         [comm.call(n, shm.host_id) for n in topo.ps_names + topo.worker_names])))
     machines = dict(zip(topo.ps_names, comm.wait_all(
@@ -279,15 +281,32 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
             sparse=cfg.sparse, restore=restore,
             hand_over=cfg.parallel.name == "data" and holds_gradients(cfg.sparse))
         built.append((topo.ps_names[k], spec))
-    return _create(built, cfg.cluster.init_timeout_s)
+    return _create(built, cfg.cluster.init_timeout_s, backup_map(cfg, topo))
 
 
-def _create(specs: list[tuple[str, object]], timeout_s: float) -> list:
-    """Build every (PS, spec) shard at once; their Handles (a constructor's error raises).
+def backup_map(cfg: Config, topo: Topology) -> dict[str, list[str]]:
+    """cluster.ps_replicas: per PS, the PS that hold backups of its shards (on other hosts
+    first); {} without replicas."""
+    if not cfg.cluster.ps_replicas:
+        return {}
+    hosts = comm.wait_all([comm.call(n, shm.host_id) for n in topo.ps_names])
+    chosen = replicas.placement(topo.num_ps, cfg.cluster.ps_replicas, hosts)
+    return {topo.ps_names[p]: [topo.ps_names[q] for q in qs] for p, qs in enumerate(chosen)}
+
+
+def _create(specs: list[tuple[str, object]], timeout_s: float,
+            backups: Optional[dict[str, list[str]]] = None) -> list:
+    """Build every (PS, spec) shard at once, and its backups (cluster.ps_replicas: each from
+    the same spec, so every copy starts equal); their Handles (a constructor's error raises).
     Part of the start, so within cluster.init_timeout_s, not rpc_timeout_s (a PS restoring a
     large table, or still starting on a busy host, may take longer than a step's call)."""
-    comm.wait_all([comm.call(ps, service.create_shard, (spec,), max(timeout_s, 1.0))
-                   for ps, spec in specs])
+    timeout_s = max(timeout_s, 1.0)
+    comm.wait_all([comm.call(ps, service.create_shard, (spec,), timeout_s) for ps, spec in specs]
+                  + [comm.call(b, service.create_backup, (spec,), timeout_s)
+                     for ps, spec in specs for b in (backups or {}).get(ps, [])])
+    if backups:
+        comm.wait_all([comm.call(ps, replicas.set_backups, (spec.index, backups[ps]), timeout_s)
+                       for ps, spec in specs])
     return [comm.Handle(ps, spec.index) for ps, spec in specs]
 
 

@@ -1,0 +1,250 @@
+"""Shard replicas (`cluster.ps_replicas=k`): every shard also lives on k further PS, as backups
+kept bit for bit equal to it, so a lost PS loses nothing.
+
+Replication happens after aggregation, as in the OSDI 2014 parameter server: the primary sends
+each applied update (a sync round's averaged gradient, an async push as it was applied, a step
+passed without an update) to its backups, in its own order, not each worker's push; a backup
+applies the same optimizer step at the same version, so its state equals the primary's. A push
+is answered only once every live backup has the update it brought (`Journal.gate`): whatever a
+worker has seen, a backup holds.
+
+On the primary (`Journal`, under the shard's lock): `record` notes each optimizer step or
+counted step, `commit` sends the update when the version moves. On a backup's PS (`apply`): the
+updates are applied in version order (several RPC threads may deliver them out of order; one
+that comes early waits for its predecessors). A backup that is being created while training goes
+on (a PS that came back, `copy_to`) gets the primary's state at some version and, meanwhile, the
+updates after it, which wait until it exists: the pre-copy, then what changed during it.
+
+When the primary's PS dies, the chief promotes a backup in the next membership epoch
+(`promote`): the plan points the shard's Handle at it, nothing is rolled back (docs/replicas.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from psrpc.cluster import comm
+from psrpc.errors import PsrpcError, first_line
+
+log = logging.getLogger(__name__)
+
+BACKUP = 1 << 24  # a backup of shard g is registered under BACKUP + g on its PS
+
+
+def backup_key(index: int) -> int:
+    return BACKUP + index
+
+
+@dataclass
+class Update:
+    """One applied update, as a backup replays it: the operations that brought the primary to
+    `version` (("step", payload, lr_scale) or ("count",); from `version - 1`, or at `version`
+    for the row gradients the workers' caches hand over at the end), and the counters, recent
+    losses and last step the primary had after it."""
+
+    index: int
+    seq: int  # the primary's count of updates sent: a backup applies them in this order
+    version: int
+    ops: list
+    stats: dict
+    losses: list
+    max_steps: int
+
+
+def _portable(payload: Any) -> Any:
+    """What a backup needs of an update's payload: a dynamic table's positions in the primary's
+    id map (a 4th item) mean nothing in another map, which finds them itself."""
+    if isinstance(payload, dict):
+        return {n: tuple(p[:3]) if len(p) > 3 else p for n, p in payload.items()}
+    return payload
+
+
+class Journal:
+    """On a primary: where its backups are and which of their acknowledgements a reply waits
+    for. Every method but `gate` runs under the shard's lock."""
+
+    def __init__(self, shard, backups: list[str], timeout_s: float):
+        self.shard, self.timeout_s = shard, timeout_s
+        self.live: list[str] = list(backups)  # PS names whose backup is in step
+        self.copying: list[str] = []  # being created from a copy: not waited for yet
+        self._ops: list = []
+        self._acks: dict[int, torch.futures.Future] = {}  # version -> all live backups have it
+        self.seq = 0  # updates sent (a backup built from a copy starts at the copy's)
+
+    @property
+    def targets(self) -> list[str]:
+        return self.live + self.copying
+
+    def record(self, *op) -> None:
+        self._ops.append(op)
+
+    def commit(self, version: int) -> None:
+        """The version has just moved to `version`: send what brought it there to every
+        backup. A backup that does not answer is given up (a warning; the next membership
+        epoch replaces it): training never waits for a dead one."""
+        ops, self._ops = self._ops, []
+        if not self.targets:
+            self.seq += 1  # (counted all the same: a copy taken now starts from here)
+            return
+        shard = self.shard
+        self.seq += 1
+        update = Update(shard.index, self.seq, version,
+                        [(op[0], _portable(op[1]), op[2]) if op[0] == "step" else op for op in ops],
+                        shard.stats_dict(), list(shard.losses), shard.max_steps)
+        waited = []
+        for ps in self.targets:
+            fut = comm.call(ps, apply, (update, ps in self.copying), timeout_s=self.timeout_s)
+            fut.add_done_callback(lambda f, ps=ps: self._answered(f, ps))
+            if ps in self.live:
+                waited.append(fut)
+        if waited:
+            ack = torch.futures.collect_all(waited)
+            self._acks[version] = ack
+            ack.add_done_callback(lambda _, v=version: self._acks.pop(v, None))
+
+    def _answered(self, fut: torch.futures.Future, ps: str) -> None:
+        try:
+            fut.value()
+        except Exception as e:
+            with self.shard.lock:
+                gone = ps in self.targets
+                for names in (self.live, self.copying):
+                    if ps in names:
+                        names.remove(ps)
+            if gone:
+                log.warning("%s: its backup on %s did not take an update (%s); going on "
+                            "without it", self.shard.name, ps, first_line(e))
+
+    def gate(self, future: torch.futures.Future) -> torch.futures.Future:
+        """The Future of a push's reply, completed once every live backup holds the version
+        it carries."""
+        out = torch.futures.Future()
+
+        def replied(f):
+            try:
+                reply = f.value()
+            except BaseException as e:
+                out.set_exception(e)
+                return
+            with self.shard.lock:
+                ack = self._acks.get(getattr(reply, "version", None))
+            if ack is None:
+                out.set_result(reply)
+            else:
+                ack.add_done_callback(lambda _: out.set_result(reply))
+        future.add_done_callback(replied)
+        return out
+
+    def report(self) -> dict:
+        return {"backups": list(self.live), "backups_copying": list(self.copying),
+                "replicated": self.seq}
+
+
+# -- on a backup's PS ------------------------------------------------------------------------------
+_LOCK = threading.Lock()
+_EARLY: dict[int, dict[int, tuple[Update, torch.futures.Future]]] = {}  # before the backup exists
+
+
+@comm.async_execution
+def apply(update: Update, copying: bool = False) -> torch.futures.Future:
+    """An update of shard `update.index` for its backup here; the Future completes once the
+    backup has applied it (or holds a newer version). `copying`: the backup is being created
+    from a copy (service.copy_to): an update that comes first waits for it."""
+    with _LOCK:
+        backup = comm.registered().get(backup_key(update.index))
+        if backup is None and not copying:  # (this PS was started again: it holds none)
+            return comm.failed(PsrpcError(f"no backup of shard {update.index} here"))
+        if backup is None:
+            fut = torch.futures.Future()
+            _EARLY.setdefault(update.index, {})[update.seq] = (update, fut)
+            return fut
+    return backup.replay([update])
+
+
+def register_backup(backup) -> None:
+    """A backup just built here (psrpc/ps/service.py `create_backup`) takes its place, then
+    the updates that came while it was being built."""
+    with _LOCK:
+        comm.register(backup_key(backup.index), backup)
+        early = _EARLY.pop(backup.index, {})
+    if early:
+        done = backup.replay([u for u, _ in early.values()])
+        for _, fut in early.values():
+            done.add_done_callback(lambda _, fut=fut: fut.set_result(True))
+
+
+def local_backups() -> list[int]:
+    """The indices of the shards this PS holds a backup of."""
+    return sorted(k - BACKUP for k in comm.registered() if k >= BACKUP)
+
+
+def promote(index: int) -> int:
+    """The primary of shard `index` is lost: this PS's backup becomes it (the plan's Handle
+    points here from this epoch on). Returns its version."""
+    with _LOCK:
+        backup = comm.registered().pop(backup_key(index), None)
+        if backup is None:
+            raise PsrpcError(f"no backup of shard {index} here to promote")
+        comm.register(index, backup)
+    backup.become_primary(f"{comm.me()}/{backup.name.split('/', 1)[-1]}")
+    return backup.version
+
+
+def set_backups(index: int, backups: list[str]) -> None:
+    """The primary of shard `index` (here) replicates to these PS from its next update."""
+    comm.registered()[index].replicate_to(backups)
+
+
+def digests() -> dict[int, tuple[str, str]]:
+    """Per shard held here: ("primary" or "backup", a digest of its state)."""
+    out = {}
+    for key, shard in list(comm.registered().items()):
+        out[key % BACKUP] = ("backup" if key >= BACKUP else "primary", shard.digest())
+    return out
+
+
+def digest_of(state: Any) -> str:
+    """A digest of a checkpoint-form state: every tensor's bytes and every other value."""
+    h = hashlib.sha256()
+
+    def walk(x):
+        if torch.is_tensor(x):
+            h.update(str((x.dtype, tuple(x.shape))).encode())
+            h.update(x.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                     if x.numel() else b"")
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(str(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+    walk(state)
+    return h.hexdigest()
+
+
+def drop_backups() -> None:
+    """Forget the backups held here (a roll back builds new shards everywhere)."""
+    with _LOCK:
+        for key in [k for k in comm.registered() if k >= BACKUP]:
+            comm.registered().pop(key).close()
+        _EARLY.clear()
+
+
+def placement(num_ps: int, replicas: int, hosts: list[str]) -> list[list[int]]:
+    """For each PS p, the k PS holding backups of its shards: the next ones in ring order, those
+    on another host first (a host lost takes its PS and their backups elsewhere survive)."""
+    out = []
+    for p in range(num_ps):
+        ring = [(p + d) % num_ps for d in range(1, num_ps)]
+        ring.sort(key=lambda q: hosts[q] == hosts[p])  # (stable: ring order within each)
+        out.append(ring[:replicas])
+    return out
