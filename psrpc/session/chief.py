@@ -25,10 +25,10 @@ from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import Reply
 from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line, network_failure
-from psrpc.ps import service
+from psrpc.ps import replicas, service
 from psrpc.session import outputs
 from psrpc.cluster.layout import Layout
-from psrpc.session.bootstrap import (bootstrap, create_shards, create_table_shards, initial_state,
+from psrpc.session.bootstrap import (backup_map, bootstrap, create_shards, create_table_shards, initial_state,
                                      split_dense)
 from psrpc.session.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
                                  default_hooks)
@@ -48,6 +48,15 @@ _DONE: dict[int, dict] = {}  # worker index -> its stats, as workers finish
 _DONE_LOCK = threading.Condition()
 _STOP_REQUESTED = threading.Event()  # SIGTERM/SIGINT on the chief: end at the next step
 _FINISHING = threading.Event()  # training is over: final checkpoint and outputs under way
+
+
+def _copied(fut: torch.futures.Future, handle, ps: str) -> None:
+    try:
+        version = fut.value()
+    except Exception as e:
+        log.warning("shard %d: no new backup on %s (%s)", handle.key, ps, first_line(e))
+        return
+    log.info("shard %d: a new backup on %s, copied at step %d", handle.key, ps, version)
 
 
 def _plan_future(epoch: int) -> torch.futures.Future:
@@ -135,13 +144,20 @@ class Chief:
         seen_at = min((at for _, at in events if at), default=None)
         held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
         found = {index for part in held for index in part}
+        rolled_back, failovers = None, []
+        if found != {h.key for h in self.plan.every_shard} and self.cfg.cluster.ps_replicas:
+            failovers = self._fail_over(found)  # [] when some shard has no copy left
         shards = self.plan.every_shard
-        rolled_back = None
-        if found == {h.key for h in shards}:  # every shard is where it was: line them up
-            versions = comm.wait_all([comm.invoke(r, "begin_epoch") for r in shards])
+        if self.cfg.cluster.ps_replicas and failovers:  # no update goes to a copy now gone
+            self._name_backups()
+        if found | {f["shard"] for f in failovers} == {h.key for h in shards}:
+            # every shard is where it was, or on its backup: line them up
+            replay = bool(failovers) and self.cfg.update.name == "sync"
+            versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay) for r in shards])
             target = max(versions)
-            comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
-            plan = replace(self.plan, rolled_back_to=None)
+            if not replay:  # (a replayed step brings the shards behind to the others)
+                comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
+            plan = replace(self.plan, rolled_back_to=None, replay=replay)
             dense = getattr(self.worker, "allreduce", None)
             if dense is not None:  # every worker takes the chief's replica, at the target
                 dense.catch_up(target)
@@ -161,13 +177,105 @@ class Chief:
         self.epochs.append({"epoch": epoch, "started_again": who, "at_step": step,
                             "cut_off": sorted(set(cut_off)),
                             "pause_s": round(pause, 3), "rolled_back_to": rolled_back,
+                            "failovers": failovers,
                             "applied_before": clock["per_worker_applied"]})
+        moved = sorted({f"{f['from']} -> {f['to']}" for f in failovers})
         log.warning("membership epoch %d: %s joined again at step %d%s; the cluster paused "
                     "%.1f s", epoch, who, step,
                     f" (every shard rolled back to step {rolled_back})"
-                    if rolled_back is not None else "", pause)
+                    if rolled_back is not None else
+                    f" ({len(failovers)} shards failed over to their backups: "
+                    f"{', '.join(moved)}; nothing rolled back)" if failovers else "", pause)
+        if self.cfg.cluster.ps_replicas:  # new backups where copies were lost, in the background
+            self._restore_backups()
         _plan_future(epoch).set_result(plan)
         return plan
+
+    def _fail_over(self, found: set[int]) -> list[dict]:
+        """cluster.ps_replicas: each shard whose primary is gone is served from now on by a
+        backup (promoted on its PS; the plan's Handle points there). Returns what moved, or []
+        (nothing promoted) when some lost shard has no copy left: then every shard rolls back,
+        as without replicas."""
+        names = self.topo.ps_names
+        held = dict(zip(names, comm.wait_all([comm.call(n, replicas.local_backups)
+                                              for n in names])))
+        lost = [h for h in self.plan.every_shard if h.key not in found]
+        where = {h.key: next((n for n in names if h.key in held[n]), None) for h in lost}
+        if any(n is None for n in where.values()):
+            gone = sorted(k for k, n in where.items() if n is None)
+            log.warning("shards %s lost every copy (their primary and cluster.ps_replicas=%d "
+                        "backups): rolling every shard back to the last checkpoint", gone,
+                        self.cfg.cluster.ps_replicas)
+            return []
+        versions = comm.wait_all([comm.call(where[h.key], replicas.promote, (h.key,))
+                                  for h in lost])
+        moved = {h.key: comm.Handle(where[h.key], h.key) for h in lost}
+        self.plan = replace(
+            self.plan, shards=[[moved.get(h.key, h) for h in stage] for stage in self.plan.shards],
+            table_shards=[moved.get(h.key, h) for h in self.plan.table_shards])
+        return [{"shard": h.key, "from": h.owner, "to": where[h.key], "version": v}
+                for h, v in zip(lost, versions)]
+
+    def _held_backups(self) -> dict[str, list[int]]:
+        names = self.topo.ps_names
+        return dict(zip(names, comm.wait_all([comm.call(n, replicas.local_backups)
+                                              for n in names])))
+
+    def _name_backups(self) -> None:
+        """Each primary replicates to the backups that exist now (not to a PS that died)."""
+        held = self._held_backups()
+        comm.wait_all([comm.call(h.owner, replicas.set_backups,
+                                 (h.key, [n for n, keys in held.items() if h.key in keys]))
+                       for h in self.plan.every_shard])
+
+    def _restore_backups(self) -> None:
+        """Every shard with fewer than cluster.ps_replicas backups gets new ones, copied from its
+        primary while training goes on (a PS that came back holds none): on the PS the
+        placement names, else any other PS without a copy of it."""
+        names = self.topo.ps_names
+        held = self._held_backups()
+        wanted = backup_map(self.cfg, self.topo)
+        copies = []
+        for h in self.plan.every_shard:
+            have = [n for n in names if h.key in held[n]]
+            home = names[self.plan_ps(h)]
+            order = wanted.get(home, []) + [n for n in names if n not in wanted.get(home, [])]
+            free = [n for n in order if n != h.owner and n not in have]
+            for ps in free[:max(0, self.cfg.cluster.ps_replicas - len(have))]:
+                copies.append((h, ps))
+        if not copies:
+            return
+        timeout = self.cfg.cluster.init_timeout_s
+        log.info("copying %d shards to new backups while training goes on", len(copies))
+        for h, ps in copies:
+            fut = comm.call(h.owner, service.copy_to, (h.key, ps, timeout), timeout)
+            fut.add_done_callback(lambda f, h=h, ps=ps: _copied(f, h, ps))
+
+    def compare_replicas(self) -> dict:
+        """Whether every backup holds its primary's state bit for bit (a digest of each copy's
+        checkpoint form: rows, optimizer state, version, counters), and where the copies are."""
+        names = self.topo.ps_names
+        found = comm.wait_all([comm.call(n, replicas.digests) for n in names])
+        copies: dict[int, dict] = {}
+        for name, held in zip(names, found):
+            for index, (role, digest) in held.items():
+                copies.setdefault(index, {"primary": None, "backups": {}})
+                if role == "primary":
+                    copies[index]["primary"] = (name, digest)
+                else:
+                    copies[index]["backups"][name] = digest
+        agree = all(c["primary"] is not None and c["backups"] and all(
+            d == c["primary"][1] for d in c["backups"].values()) for c in copies.values())
+        return {"agree": agree, "copies": {k: {"primary": c["primary"][0] if c["primary"] else
+                                               None, "backups": sorted(c["backups"])}
+                                           for k, c in sorted(copies.items())}}
+
+    def plan_ps(self, handle) -> int:
+        """The PS a shard was placed on at the start (its primary unless it failed over)."""
+        layout = self.plan.layout
+        if handle in self.plan.table_shards:
+            return self.plan.table_shards.index(handle)
+        return layout.shard_ps[handle.key] if handle.key < len(layout.shard_ps) else 0
 
     def _roll_back(self, epoch: int, who: str):
         """Every shard from the last committed checkpoint (a PS lost its shards)."""
@@ -391,6 +499,8 @@ class Chief:
             lost=self.lost, stopped_early=self.stopped_early, epochs=self.epochs,
             final_checkpoint_error=self.final_checkpoint_error, traffic=traffic,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
+        if self.cfg.cluster.ps_replicas:
+            summary["replicas"] = self.compare_replicas()
         outputs.write_outputs(self.out_dir, state, summary)
         if self.plan.table_shards:  # each PS writes its rows itself (tables/ps<k>.pt), the
             shards = self.plan.table_shards  # chief the index of them last

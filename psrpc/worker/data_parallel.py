@@ -15,6 +15,7 @@ ahead and do not depend on timing; with one worker this is the global step again
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Callable, Optional
@@ -39,6 +40,8 @@ from psrpc.worker.loader import split_batch
 from psrpc.worker.plan import Plan
 from psrpc.worker.replica import Replica, await_change, load_buffers, model_buffers
 from psrpc.worker.rows import RowClient
+
+log = logging.getLogger(__name__)
 
 
 class Worker(Replica):
@@ -69,6 +72,7 @@ class Worker(Replica):
         # step t+1's: such models, and micro-batches (train.accumulate), step one at a time.
         self.accumulate = cfg.train.accumulate
         self.host = hostpush.Blocks()  # update.host_push: this epoch's block on this host
+        self._work: Optional[_Work] = None  # the last step computed
         self._accumulator = TreeAccumulator()
         self.pipelined = bool(self.tables) and self.allreduce is not None and self.sync \
             and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model) \
@@ -147,7 +151,7 @@ class Worker(Replica):
         as soon as backward completes it. Returns the loss and the push Futures; None when the
         staleness clock did not admit the gradient (`self.finished` says whether training is
         over; otherwise it was too stale)."""
-        work = self.compute(step, versions)
+        work = self._work = self.compute(step, versions)
         return work.loss, (None if work.futures is None else self.push(work))
 
     def compute(self, step: int, versions: list[int]) -> "_Work":
@@ -230,6 +234,7 @@ class Worker(Replica):
         self.flat.flush()
         work = _Work(versions, value, futures, ticket, table_grads)
         work.ahead = self._rows_ahead(step, x) if self.rows is not None else None
+        work.table_versions = list(self.table_versions) if self.rows is not None else None
         if self.allreduce is not None:
             work.finite = self.allreduce.finish(versions[0])
         return work
@@ -295,6 +300,34 @@ class Worker(Replica):
         if self.allreduce is not None and plan.dense is not None:
             self.allreduce.load(plan.dense)
 
+    def _replay(self, work: Optional["_Work"], pulled: list[Reply]) -> Optional["_Work"]:
+        """After a PS failed over to a backup (the epoch's plan says `replay`, sync): the step
+        `work` whose replies the old group lost, pushed again, unchanged, to every shard still
+        at the version it was computed on (the others applied its round: their pulled
+        parameters are that round's reply). Each shard's round then holds every worker's
+        gradient, as without the failure: nothing is computed twice, no round goes short.
+        None when there is nothing to push again."""
+        if (work is None or work.futures is None or not self.plan.replay
+                or self.allreduce is not None or work.versions[0] > pulled[0].version):
+            return None
+        behind = [k for k, r in enumerate(pulled) if r.version == work.versions[k]]
+        tables_behind = work.table_versions is not None and any(
+            v == w for v, w in zip(self.table_versions, work.table_versions))
+        if not behind and not tables_behind:
+            return None
+        futures = [comm.completed(r) for r in pulled]
+        for k in behind:
+            futures[k] = self.client.push_one(k, work.versions[k], self.flat.grad_to_send(k),
+                                              work.loss, self.batch, work.ticket)
+        if self.rows is not None:
+            futures += self.rows.push_async(work.table_grads, work.table_versions, work.loss,
+                                            self.batch, work.ticket, ahead=work.ahead)
+        log.warning("worker%d: pushing step %d again to %d of %d shards (their PS failed over "
+                    "before it was answered)", self.index, work.versions[0],
+                    len(behind) + int(tables_behind), len(pulled) + len(self.table_versions))
+        replay = _Work(work.versions, work.loss, futures, work.ticket, work.table_grads)
+        return replay
+
     def rejoin(self) -> tuple[list[Reply], list[int]]:
         """Join the new membership epoch's group, take its plan, pull the parameters."""
         epoch = membership.rejoin()
@@ -315,27 +348,36 @@ class Worker(Replica):
         # Until every shard is at its last step: with backup workers (or async) one shard can
         # finish a round before another, and a worker that stopped at the first one's end
         # could leave the others a step short with nobody pushing to them.
+        pushed: Optional[_Work] = None  # the step whose replies are awaited (a fail-over)
         while replies is None or not all(r.finished for r in replies):
+            replay = None
             if replies is None or membership.changing():
                 ahead = None
                 try:  # (the first pull too: a rank can be started again before it)
                     if membership.changing():
                         replies, versions = self.rejoin()
+                        replay = self._replay(pushed, replies)
                     else:
                         replies = self.client.pull()
                         versions = self.load(replies)
                 except Exception as e:
                     await_change(e)  # returns once the change is announced: rejoin
-                continue
+                    continue
+                pushed = None
+                if replay is None:
+                    continue
             ended = replies[0].finished  # the chief's hooks saw the last step already
             t0 = time.perf_counter()
-            step = self.data_step(versions[0])
+            step = self.data_step(versions[0] if replay is None else replay.versions[0])
             try:
-                if ahead is not None and ahead.versions == versions:
+                if replay is not None:  # the step a lost PS left without its replies
+                    loss, futures, pushed = replay.loss, replay.futures, replay
+                elif ahead is not None and ahead.versions == versions:
                     # computed during the last round (the versions it foresaw)
-                    loss, futures = ahead.loss, self.push(ahead)
+                    loss, futures, pushed = ahead.loss, self.push(ahead), ahead
                 else:  # (one foreseen wrong is computed again: `compute` drops its average)
                     loss, futures = self.step(step, versions)
+                    pushed = self._work
                 ahead = None
                 if futures is None:  # not admitted: training is over, or pull fresher params
                     if self.finished:
@@ -351,6 +393,7 @@ class Worker(Replica):
                     ahead = self.compute(step + 1, [v + 1 for v in versions])
                     t1 = time.perf_counter()  # (from here: the wait for t's reply)
                 replies = self.receive(futures)
+                pushed = None
             except Exception as e:
                 ahead = None
                 await_change(e)
@@ -385,6 +428,7 @@ class _Work:
         self.versions, self.loss, self.futures = versions, loss, futures
         self.ticket, self.table_grads = ticket, table_grads or {}
         self.ahead: Optional[dict] = None
+        self.table_versions: Optional[list[int]] = None  # the table shards' at its push
         self.finite = True
 
 

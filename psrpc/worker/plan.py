@@ -41,6 +41,9 @@ class Plan:
     # update.dense=allreduce: the dense state every worker starts the epoch from; the layouts
     # are then the workers' own buffers and shards[0] is one clock shard with no parameters
     dense: Optional[DenseState] = None
+    # a PS failed over to a backup (cluster.ps_replicas, sync): each worker pushes the step
+    # the old group left unanswered again to the shards still at its version
+    replay: bool = False
 
     def shm_for(self, stage: int, worker: int) -> list:
         """For FlatModel: per shard of `stage`, (mode, params segment, slot segment) when
