@@ -1,0 +1,112 @@
+"""cluster.ps_replicas: every shard has a backup on another PS, kept bit for bit equal to it;
+a PS killed with SIGKILL fails over to the backups in the next membership epoch, with nothing
+rolled back (no checkpoint.dir at all here) and, in sync training, the very result of a run
+that was never interrupted."""
+
+from __future__ import annotations
+
+import pytest
+
+from psrpc.errors import ConfigError
+from psrpc.sparse import load_tables
+from tests.conftest import assert_equal_model, compose, run_cluster
+from tests.test_elastic import _kill_when
+from tests.test_sparse_cluster import CLICKS
+
+pytestmark = pytest.mark.timeout(300)
+
+MLP = ["cluster.num_ps=2", "cluster.num_workers=2", "train.steps=60"]
+REPLICAS = ["cluster.ps_replicas=1"]
+
+
+def _crash(ps: int, step: int) -> list[str]:
+    return ["fault.crash_role=ps", f"fault.crash_index={ps}", f"fault.crash_at_step={step}"]
+
+
+def _failed_over(summary, ps: str) -> dict:
+    """The run's one membership epoch: ps failed over, nothing rolled back, backups agree."""
+    assert summary["restored_from_step"] is None
+    (epoch,) = summary["epochs"]
+    assert epoch["started_again"] == ps and epoch["rolled_back_to"] is None
+    assert epoch["failovers"] and all(f["from"] == ps for f in epoch["failovers"])
+    assert summary["replicas"]["agree"], summary["replicas"]
+    assert all(s["version"] == summary["steps"] for s in summary["shards"])
+    return epoch
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_cluster(tmp_path_factory.mktemp("plain"), MLP)
+
+
+@pytest.mark.parametrize("ps,step", [(1, 35), (0, 20)])
+def test_sync_a_killed_ps_fails_over_and_equals_an_uninterrupted_run(tmp_path, uninterrupted,
+                                                                      ps, step):
+    summary, state = run_cluster(tmp_path, MLP + REPLICAS + _crash(ps, step))
+    epoch = _failed_over(summary, f"ps{ps}")
+    assert epoch["at_step"] in (step - 1, step)  # the step the shards had reached
+    assert_equal_model(state, uninterrupted[1])
+    # every shard has a backup again: on the PS that came back
+    assert all(c["backups"] for c in summary["replicas"]["copies"].values())
+
+
+def test_a_backup_equals_its_primary_and_costs_no_result(tmp_path, uninterrupted):
+    """Without a failure: replication changes nothing of the result, and each backup's state
+    (parameters, optimizer state, version) equals its primary's bit for bit."""
+    summary, state = run_cluster(tmp_path, MLP + REPLICAS)
+    replicas = summary["replicas"]
+    assert replicas["agree"]
+    assert all(c["primary"] != b for c in replicas["copies"].values() for b in c["backups"])
+    assert all(s["replicated"] == 60 and s["backups"] for s in summary["shards"])
+    assert_equal_model(state, uninterrupted[1])
+
+
+def test_tables_fail_over_in_sync_bit_for_bit(tmp_path):
+    """DLRM, dense shards and table shards on 2 PS: ps0 killed; the dense parameters and every
+    table's rows equal an uninterrupted run's."""
+    mode = CLICKS + ["cluster.num_ps=2", "cluster.num_workers=2", "train.steps=30"]
+    plain = run_cluster(tmp_path / "plain", mode, fast=False)
+    summary, state = run_cluster(tmp_path / "killed", mode + REPLICAS + _crash(0, 12), fast=False)
+    _failed_over(summary, "ps0")
+    assert_equal_model(state, plain[1])
+    assert_equal_model(load_tables(tmp_path / "killed"), load_tables(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize("mode", [["update=async"], ["update=async", "update.max_staleness=2"]],
+                         ids=["async", "bounded"])
+def test_async_a_killed_ps_fails_over_with_nothing_rolled_back(tmp_path, mode):
+    summary, _ = run_cluster(tmp_path, MLP + mode + REPLICAS + _crash(1, 40))
+    _failed_over(summary, "ps1")
+    assert summary["steps"] == 60
+
+
+def test_the_ps_back_is_a_backup_and_a_second_kill_fails_over_again(tmp_path):
+    """ps1 dies (fault), comes back as the backup of every shard (copied while training goes
+    on); then ps0, now the primary of every shard, is killed from outside: the shards fail
+    over to ps1, again with nothing rolled back, and the result is the uninterrupted run's."""
+    mode = MLP[:2] + ["train.steps=300", "fault.slow_worker=1", "fault.slow_s=0.01"]
+    log = tmp_path / "killed" / "logs" / "worker0.log"
+    killer = _kill_when("psrpc-ps0", lambda: log.exists() and log.read_text().count(
+        "a new backup on ps1") >= 2)
+    summary, state = run_cluster(tmp_path / "killed", mode + REPLICAS + _crash(1, 30))
+    killer.join(1)
+    first, second = summary["epochs"]
+    assert first["started_again"] == "ps1" and second["started_again"] == "ps0"
+    assert {f["to"] for f in second["failovers"]} == {"ps1"}
+    assert len(second["failovers"]) == 2  # both shards, each primary on ps0 by then
+    assert all(e["rolled_back_to"] is None for e in (first, second))
+    assert summary["restored_from_step"] is None and summary["replicas"]["agree"]
+    plain = run_cluster(tmp_path / "plain", mode)
+    assert_equal_model(state, plain[1])
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["cluster.num_ps=2", "cluster.ps_replicas=2"], "cluster.ps_replicas=2"),
+    (["cluster.ps_replicas=-1"], "cluster.ps_replicas=-1"),
+    (["cluster.num_ps=2", "cluster.ps_replicas=1", "cluster.shm=on"], "cluster.shm='on'"),
+    (["cluster.num_ps=2", "cluster.ps_replicas=1", "parallel=model", "cluster.num_workers=2",
+      "parallel.stages=2"], "cluster.ps_replicas=1"),
+])
+def test_bad_replica_configs_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        compose(overrides)
