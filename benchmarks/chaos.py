@@ -4,6 +4,7 @@ each run checked against the invariants users rely on.
     python -m benchmarks.chaos                     # 100 schedules
     python -m benchmarks.chaos schedules=10 seed=3
     python -m benchmarks.chaos only=[17]           # replay schedule 17 (of seed 0)
+    python -m benchmarks.chaos replicas=true schedules=12   # PS kills with shard backups
 
 Schedule i of seed s is a function of (s, i): an update mode (sync, sync with a backup worker,
 async, bounded async), 1-2 PS, 2-4 workers, checkpoints every 10 steps, and one fault from
@@ -17,6 +18,11 @@ delivers it. With hosts=true (the default; it needs root) the campaign also draw
 fault a host cut off and healed, a slow link, or a host lost (its task started again, or not;
 the chief's; the rendezvous store's). Schedule i of seed s draws the same faults as before
 host faults came for i < 14 (the first 14 are one of each local fault).
+
+With replicas=true the campaign draws only PS kills with cluster.ps_replicas (REPLICA_FAULTS:
+any PS, a PS twice in a row, two PS together with 2 backups on 3 PS), each update mode in turn,
+and checks also that nothing was rolled back (0 steps redone) and that every backup equals its
+primary at the end.
 
 After each run:
 - it ended within bound_s (else it is a hang: its whole process group is killed);
@@ -44,7 +50,7 @@ from typing import Callable, Optional
 
 import psutil
 
-from benchmarks.chaos_faults import FAULTS, TIMEOUT_S, Run
+from benchmarks.chaos_faults import FAULTS, REPLICA_FAULTS, TIMEOUT_S, Run
 from benchmarks.chaos_hosts import HOST_FAULTS, HostRun
 from benchmarks.common import bench_config, header, write_results
 from benchmarks.hosts import missing as hosts_missing
@@ -61,12 +67,29 @@ COMMON = ["model=cnn", "data.size=2048", "data.test_size=256", "train.batch_size
           f"update.timeout_s={TIMEOUT_S}", "cluster.init_timeout_s=60", "train.device=cpu"]
 
 
-def faults(hosts: bool = True) -> dict:
-    """Every fault the campaign draws from: the local ones, then (with `hosts`) the hosts'."""
+def faults(hosts: bool = True, replicas: bool = False) -> dict:
+    """Every fault the campaign draws from: the local ones, then (with `hosts`) the hosts';
+    with `replicas`, the PS kills with cluster.ps_replicas only."""
+    if replicas:
+        return dict(REPLICA_FAULTS)
     return {**FAULTS, **HOST_FAULTS} if hosts else dict(FAULTS)
 
 
-def schedule(seed: int, index: int, hosts: bool = True) -> dict:
+def _replica_schedule(seed: int, index: int) -> dict:
+    """replicas=true: PS kills with backups of every shard; 2-3 PS (3 with 2 backups for two
+    PS killed together, so a copy of each shard is left), 2-3 workers, each update mode."""
+    rnd, drawn = random.Random(seed * 1_000_003 + index), list(REPLICA_FAULTS)
+    fault = drawn[index % len(drawn)]
+    mode = list(MODES)[(index // len(drawn)) % len(MODES)]
+    P = 3 if fault == "kill_two_ps" else rnd.choice([2, 3])
+    return {"index": index, "seed": seed, "mode": mode, "num_ps": P,
+            "num_workers": rnd.choice([2, 3]), "fault": fault, "rng": rnd.getrandbits(32),
+            "ps_replicas": 2 if fault == "kill_two_ps" else 1}
+
+
+def schedule(seed: int, index: int, hosts: bool = True, replicas: bool = False) -> dict:
+    if replicas:
+        return _replica_schedule(seed, index)
     rnd, drawn = random.Random(seed * 1_000_003 + index), list(faults(hosts))
     fault = drawn[index % len(drawn)] if index < len(drawn) else rnd.choice(drawn)
     mode = rnd.choice(list(MODES))
@@ -83,8 +106,9 @@ def schedule(seed: int, index: int, hosts: bool = True) -> dict:
 def overrides(s: dict) -> list[str]:
     mode = [o.replace("REPLICAS_MINUS_1", str(s["num_workers"] - 1)) for o in MODES[s["mode"]]]
     extra = ["data.test_size=20000"] if s["fault"] == "kill_in_eval" else []
-    return COMMON + mode + extra + [f"cluster.num_ps={s['num_ps']}",
-                                    f"cluster.num_workers={s['num_workers']}"]
+    copies = [f"cluster.ps_replicas={s['ps_replicas']}"] if s.get("ps_replicas") else []
+    return COMMON + mode + extra + copies + [f"cluster.num_ps={s['num_ps']}",
+                                             f"cluster.num_workers={s['num_workers']}"]
 
 
 def _damage_checkpoint(folder: Path, s: dict, steps: int, how: str) -> tuple[str, bool]:
@@ -136,7 +160,7 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
     else:
         run = Run(folder, overrides(s), steps)
     try:
-        fn = faults()[s["fault"]]
+        fn = faults(replicas=bool(s.get("ps_replicas")))[s["fault"]]
         if fn is not None:
             did, can_finish, delivered = fn(run, rnd, s["num_ps"], s["num_workers"])
         try:
@@ -150,6 +174,8 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
         row = {**{k: s[k] for k in ("index", "mode", "num_ps", "num_workers", "fault")},
                "did": did, "wall_s": round(wall, 1), "exit": run.proc.returncode}
         row.update(_check(run, hang, can_finish, delivered))
+        if s.get("ps_replicas"):
+            row.update(_check_replicas(run, row))
     finally:
         run.kill_all()
         if mounted is not None:
@@ -210,6 +236,28 @@ def _check(run: Run, hang: bool, can_finish: Optional[bool], delivered: bool = T
             "ok": delivered and not problems, "problems": "; ".join(problems), "cause": cause}
 
 
+def _check_replicas(run: Run, row: dict) -> dict:
+    """With cluster.ps_replicas, over what `_check` asks: every epoch failed over (nothing
+    rolled back, no restore: 0 steps redone) and every backup equals its primary at the end."""
+    path = run.out / "summary.json"
+    if not path.exists():
+        return {}
+    summary = json.loads(path.read_text())
+    epochs = summary.get("epochs", [])
+    redone = sum(e["at_step"] - e["rolled_back_to"] for e in epochs
+                 if e.get("rolled_back_to") is not None)
+    problems = [p for p in [row["problems"]] if p]
+    if redone or summary.get("restored_from_step") is not None:
+        problems.append(f"{redone} steps redone (rolled back: "
+                        f"{[e['rolled_back_to'] for e in epochs]}, restored from "
+                        f"{summary.get('restored_from_step')})")
+    if not summary.get("replicas", {}).get("agree"):
+        problems.append(f"backups differ from their primaries: {summary.get('replicas')}")
+    failovers = sum(len(e.get("failovers", [])) for e in epochs)
+    return {"redone_steps": redone, "failovers": failovers, "problems": "; ".join(problems),
+            "ok": row["delivered"] and not problems}
+
+
 def _name(p: psutil.Process) -> str:
     try:
         return p.name()
@@ -222,7 +270,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     kept; a schedule whose fault was not delivered counts under `not_delivered` only (its hang
     or broken invariant, if any, too)."""
     out = []
-    for fault in faults():
+    for fault in {**faults(), **REPLICA_FAULTS}:
         mine = [r for r in rows if r["fault"] == fault]
         if not mine:
             continue
@@ -301,12 +349,12 @@ def campaign(schedules: list[dict], steps: int, bound_s: float,
 
 def main(argv: list[str]) -> None:
     opts = bench_config("chaos", argv)
-    if opts.hosts and (why := hosts_missing()) is not None:
+    if opts.hosts and not opts.replicas and (why := hosts_missing()) is not None:
         sys.exit(f"benchmarks.chaos: hosts=true draws host faults, but {why}; run it as root "
                  "or with hosts=false")
     meta = header()
     indices = list(opts.only) if opts.only else list(range(opts.schedules))
-    plan = [schedule(opts.seed, i, opts.hosts) for i in indices]
+    plan = [schedule(opts.seed, i, opts.hosts, opts.replicas) for i in indices]
     t0 = time.monotonic()
     rows = campaign(plan, opts.steps, opts.bound_s, keep=Path(opts.out) / "violations",
                     keep_all=opts.keep_all)

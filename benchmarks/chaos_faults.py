@@ -309,6 +309,50 @@ def kill_launcher(run, rnd, P, W):
     return _result(f"SIGKILL the launcher at step {at}", False, missed)
 
 
+# -- with cluster.ps_replicas (the campaign's replicas=true): nothing may be rolled back ----------
+def _new_backups(run: Run, count: int) -> bool:
+    """Whether the chief has logged `count` new backups (copies made after failovers)."""
+    return run.stderr_path.read_text(errors="replace").count(": a new backup on ") >= count
+
+
+def kill_ps_replicated(run, rnd, P, W):
+    """Any PS, every shard with a backup elsewhere: it fails over, nothing rolled back."""
+    victim = f"ps{rnd.randrange(P)}"
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, [victim])
+    return _result(f"SIGKILL {hit} at step {at}", True, missed)
+
+
+def kill_ps_twice(run, rnd, P, W):
+    """A PS, then, once the shards it held have new backups (copied while training goes on),
+    a PS again (the same one started again, or another): two failovers."""
+    first = f"ps{rnd.randrange(P)}"
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, [first])
+    if missed:
+        return _result(f"SIGKILL {first} at step {at}", True, missed)
+    if not run.wait_for(lambda: _new_backups(run, 1), 60, 0.05):
+        return _result(f"SIGKILL {first} at step {at}", True, "no new backup was logged "
+                       "within 60 s of the first kill")
+    second = rnd.choice(_ps(P))
+    at2 = run.step()
+    hit2, missed = _kill(run, [second])
+    return _result(f"SIGKILL {first} at step {at}, then {hit2} at step {at2} once the shards "
+                   "had new backups", True, missed)
+
+
+def kill_two_ps(run, rnd, P, W):
+    """Two PS together, with 2 backups of every shard on 3 PS: a copy of each shard is left."""
+    victims = rnd.sample(_ps(P), 2)
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, victims)
+    return _result(f"SIGKILL {hit} together at step {at}", True, missed)
+
+
+REPLICA_FAULTS: dict[str, Callable] = {"kill_ps_replicated": kill_ps_replicated,
+                                       "kill_ps_twice": kill_ps_twice,
+                                       "kill_two_ps": kill_two_ps}
+
 FAULTS: dict[str, Callable] = {
     "kill_worker": kill_worker, "kill_chief": kill_chief, "kill_ps": kill_ps,
     "kill_two": kill_two, "kill_rejoining": kill_rejoining,
