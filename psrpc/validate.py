@@ -75,9 +75,6 @@ def check_values(cfg: Config) -> None:
             f"must be an int in 0..num_ps-1 = {c.num_ps - 1} (each backup lives on another PS)")
     require(c.ps_replicas == 0 or p.name == "data", "cluster.ps_replicas", c.ps_replicas,
             "replicas are for parallel=data (a lost pipeline stage is not recovered)")
-    require(c.ps_replicas == 0 or c.shm != "on", "cluster.shm", c.shm,
-            "must be auto or off with cluster.ps_replicas > 0 (a replicated shard's workers "
-            "push over TensorPipe: it may fail over to another host)")
     require(c.channels is None or (c.channels and set(c.channels) <= set(CPU_CHANNELS)),
             "cluster.channels", c.channels,
             f"must list TensorPipe channels from {list(CPU_CHANNELS)}, or be null (all of them)")

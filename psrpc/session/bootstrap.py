@@ -178,8 +178,6 @@ def plan_shm(cfg: Config, topo: Topology, layouts: list[Layout]) -> list:
     the shards and workers map them. A worker's id in a shard's rounds is its index in data
     parallel, its replica in model parallel (one stage worker per replica pushes a shard)."""
     layout = Layout.concat(layouts)
-    if cfg.cluster.ps_replicas:  # a shard that fails over leaves its host's segments behind
-        return [None] * layout.num_shards
     hosts = dict(zip(topo.ps_names + topo.worker_names, comm.wait_all(
         [comm.call(n, shm.host_id) for n in topo.ps_names + topo.worker_names])))
     machines = dict(zip(topo.ps_names, comm.wait_all(

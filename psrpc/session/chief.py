@@ -212,7 +212,9 @@ class Chief:
         moved = {h.key: comm.Handle(where[h.key], h.key) for h in lost}
         self.plan = replace(
             self.plan, shards=[[moved.get(h.key, h) for h in stage] for stage in self.plan.shards],
-            table_shards=[moved.get(h.key, h) for h in self.plan.table_shards])
+            table_shards=[moved.get(h.key, h) for h in self.plan.table_shards],
+            # (a worker started later takes no shared memory with a backup: it has none)
+            shared=[None if g in moved else x for g, x in enumerate(self.plan.shared)])
         return [{"shard": h.key, "from": h.owner, "to": where[h.key], "version": v}
                 for h, v in zip(lost, versions)]
 

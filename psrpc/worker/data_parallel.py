@@ -285,6 +285,9 @@ class Worker(Replica):
     def rebind(self, plan: Plan) -> None:
         """A new membership epoch: the same shards (or, after a roll back, restored ones)
         through new references."""
+        moved = [k for k, (a, b) in enumerate(zip(self.plan.shards[0], plan.shards[0])) if a != b]
+        for k in moved:  # failed over to a backup (cluster.ps_replicas): no shared memory
+            self.flat.unshare(k)
         self.plan = plan
         self.client = ShardClient(plan.shards[0], self.index)
         self.clock = plan.shards[0][0]

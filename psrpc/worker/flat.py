@@ -40,7 +40,7 @@ class FlatModel:
         """`shm[k]`: None (shard k over TCP), or (mode, params segment, slot segment) with mode
         "views" or "slots" (psrpc/cluster/shm.py)."""
         self.layout, self.device, self.wire_dtype = layout, device, wire_dtype
-        named = dict(model.named_parameters())
+        named = self._named = dict(model.named_parameters())
         missing = set(layout.shapes) - set(named)
         if missing:
             raise ValueError(f"layout names parameters the model lacks: {sorted(missing)[:3]}")
@@ -111,6 +111,34 @@ class FlatModel:
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="psrpc-d2h") if cuda else None
         self._sends: list = []
         self._params_ready: Optional[torch.cuda.Event] = None
+
+    def unshare(self, shard: int) -> None:
+        """Shard `shard` no longer shares memory with its PS (it failed over to a backup on
+        another PS, cluster.ps_replicas): its parameters become this worker's own buffer (the
+        master copy it viewed is a lost PS's) and its gradient is pushed as a tensor. The
+        gradient buffer stays where it is (the slot: only this worker writes it)."""
+        if not self.shm[shard]:
+            return
+        n = self.layout.shard_numel[shard]
+        if self.device.type == "cuda":
+            self._host_params[shard] = None
+            if self._staging is None:
+                self._staging = [None] * self.layout.num_shards
+            self._staging[shard] = torch.empty(n, dtype=self.wire_dtype, pin_memory=True)
+        else:
+            if self._view[shard]:
+                own = self.params[shard].clone()
+                for p in self.layout.pieces:
+                    if p.shard == shard and p.name not in self.layout.split_names:
+                        param = self._named[p.name]
+                        param.data = own[p.offset:p.offset + p.numel].view(
+                            self.layout.shapes[p.name])
+                self.params[shard] = own
+                self._view[shard] = False
+            if self._staging is not None and self._staging[shard] is None:
+                self._staging[shard] = torch.empty(n, dtype=self.wire_dtype)
+        self._seq[shard] = None
+        self.shm[shard] = None
 
     def arm(self, on_ready) -> None:
         """For the next backward: call `on_ready(shard)` as each shard's gradient completes."""
