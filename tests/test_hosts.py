@@ -498,6 +498,44 @@ def test_a_ps_host_lost_and_its_rank_started_again_rolls_every_shard_back(nothin
 
 
 @pytest.mark.slow
+def test_a_ps_host_lost_with_replicas_fails_over_and_equals_the_local_launcher(nothing_left,
+                                                                                tmp_path):
+    """The same four hosts with cluster.ps_replicas=1 and no checkpoint.dir at all: ps1's
+    shards have their backups on ps0 (another host). h1 loses power at step 50 and ps1 is
+    started again on the rebooted host: ps1's shards fail over to ps0 in the membership epoch,
+    nothing is rolled back, ps1 becomes their backup again, and the model is bit for bit the
+    local launcher's uninterrupted run."""
+    from tests.test_multinode import _slurm_job_id
+
+    args = on_cpu(["train.steps=400", "cluster.num_ps=2", "cluster.num_workers=2", *LOSS_ARGS,
+                   "cluster.ps_replicas=1"])
+    job = _slurm_job_id()
+    with hosts.Hosts(4) as h:
+        tasks = [_srun_task(h, tmp_path, args, job, k, n=4) for k in range(4)]
+        _wait_for_step(tmp_path / "h2.err", 50)
+        h.power_off(1)
+        time.sleep(2)
+        h.power_on(1)
+        again = _srun_task(h, tmp_path, args, job, 1, n=4)
+        codes = _wait([tasks[0], again, *tasks[2:]], 200)
+    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(4))
+    assert codes == [0, 0, 0, 0], logs[-5000:]
+    out = tmp_path / "outputs" / "slurm" / f"{job}.0"
+    summary = json.loads((out / "summary.json").read_text())
+    epoch = summary["epochs"][-1]
+    assert all(e["rolled_back_to"] is None for e in summary["epochs"]), summary["epochs"]
+    assert "ps1" in epoch["started_again"].split(","), epoch
+    moved = [f for e in summary["epochs"] for f in e["failovers"]]
+    assert moved and all(f["from"] == "ps1" and f["to"] == "ps0" for f in moved), moved
+    assert summary["steps"] == 400 and summary["restored_from_step"] is None, summary
+    assert summary["replicas"]["agree"], summary["replicas"]
+    local = cli(args + [f"out_dir={tmp_path / 'local'}"], tmp_path)
+    assert local.returncode == 0, local.stderr
+    assert_equal_model(torch.load(tmp_path / "local" / "model.pt", weights_only=True),
+                       torch.load(out / "model.pt", weights_only=True))
+
+
+@pytest.mark.slow
 def test_a_ps_host_lost_and_not_started_again_stops_the_run_naming_it(nothing_left, tmp_path):
     """The same four hosts, ps1's host lost at step 50 and nobody starting it again (plain
     srun): the ranks left ask for an epoch, wait cluster.init_timeout_s (20 s) for ps1 at its
