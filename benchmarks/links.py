@@ -94,6 +94,8 @@ SYSTEM_OVERRIDES = {
     "psrpc_own_pushes": ["update.host_push=off"],  # each worker of a host pushes its own
     # a PS on every host (cluster.ps_placement=spread): each link carries a share of the PS's
     "psrpc_spread": ["SPREAD"], "psrpc_bf16_spread": ["SPREAD", "update.wire_dtype=bfloat16"],
+    # the same with a backup of every shard on the other host's PS (cluster.ps_replicas)
+    "psrpc_spread_replicas": ["SPREAD", "cluster.ps_replicas=1"],
     "psrpc_allreduce_cache": ["update.dense=allreduce", "CACHE"],
     # the best one-host configuration (benchmarks.embeddings): each step computed while the
     # last one's round is under way, its rows pulled ahead, no cache rows

@@ -6,6 +6,7 @@ that was never interrupted."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from psrpc.errors import ConfigError
 from psrpc.sparse import load_tables
@@ -66,14 +67,37 @@ def test_a_backup_equals_its_primary_and_costs_no_result(tmp_path, uninterrupted
 
 
 def test_tables_fail_over_in_sync_bit_for_bit(tmp_path):
-    """DLRM, dense shards and table shards on 2 PS: ps0 killed; the dense parameters and every
-    table's rows equal an uninterrupted run's."""
-    mode = CLICKS + ["cluster.num_ps=2", "cluster.num_workers=2", "train.steps=30"]
+    """DLRM, dense shards and table shards on 2 PS, Adam (its step count is state too): ps0
+    killed; the dense parameters and every table's rows equal an uninterrupted run's."""
+    mode = CLICKS + ["cluster.num_ps=2", "cluster.num_workers=2", "train.steps=30", "optim=adam"]
     plain = run_cluster(tmp_path / "plain", mode, fast=False)
     summary, state = run_cluster(tmp_path / "killed", mode + REPLICAS + _crash(0, 12), fast=False)
     _failed_over(summary, "ps0")
     assert_equal_model(state, plain[1])
     assert_equal_model(load_tables(tmp_path / "killed"), load_tables(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize("extra", [
+    ["sparse.dynamic=true", "sparse.admit_after=2", "sparse.evict=lfu", "sparse.max_rows=80"],
+    ["sparse.cache_rows=64", "sparse.cache_staleness=2"],
+    ["sparse.cache_rows=64", "sparse.cache_staleness=2", "sparse.cache_writes=hold"]],
+    ids=["dynamic-lfu", "row-cache", "row-cache-write-back"])
+def test_dynamic_tables_and_the_row_cache_fail_over_in_sync_bit_for_bit(tmp_path, extra):
+    """Dynamic tables (ids made, admitted and evicted on the PS: the id map and its counts are
+    replicated too), or a worker's hot-row cache in front of fixed tables (read-only, or
+    holding gradients): ps1 killed, the result is the uninterrupted run's. The cache keeps its
+    rows and held gradients over a failover (nothing was rolled back)."""
+    mode = CLICKS + extra + ["cluster.num_ps=2", "cluster.num_workers=2", "train.steps=30"]
+    plain = run_cluster(tmp_path / "plain", mode, fast=False)
+    summary, state = run_cluster(tmp_path / "killed", mode + REPLICAS + _crash(1, 14), fast=False)
+    _failed_over(summary, "ps1")
+    assert_equal_model(state, plain[1])
+    a, b = load_tables(tmp_path / "killed"), load_tables(tmp_path / "plain")
+    assert a.keys() == b.keys()
+    for name, table in b.items():  # a fixed table's rows, or a dynamic table's ids and rows
+        pairs = ([(a[name], table)] if torch.is_tensor(table) else
+                 [(a[name].ids, table.ids), (a[name].weight, table.weight)])
+        assert all(torch.equal(x, y) for x, y in pairs), name
 
 
 @pytest.mark.parametrize("mode", [["update=async"], ["update=async", "update.max_staleness=2"]],

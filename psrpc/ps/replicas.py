@@ -216,8 +216,8 @@ def digest_of(state: Any) -> str:
     def walk(x):
         if torch.is_tensor(x):
             h.update(str((x.dtype, tuple(x.shape))).encode())
-            h.update(x.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                     if x.numel() else b"")
+            h.update(x.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                     if x.numel() else b"")  # (0-dim too: Adam's step count)
         elif isinstance(x, dict):
             for k in sorted(x, key=str):
                 h.update(str(k).encode())

@@ -94,6 +94,11 @@ class RowCache:
         self._evicted = []  # (group, (tables, rows, sums, units)) to push next
         self._flight: Optional[held.Flight] = None  # what the last push carried (hold)
 
+    def rebind(self, client) -> None:
+        """A new membership epoch's RowClient after a failover (cluster.ps_replicas): every
+        table shard holds what it held, so the cached rows and held gradients stay."""
+        self.client = client
+
     def units_held(self) -> int:
         """Step gradients held here now (in the slots, or evicted and not yet pushed)."""
         return int(sum(g.units.sum() for g in self.groups)

@@ -292,10 +292,16 @@ class Worker(Replica):
         self.client = ShardClient(plan.shards[0], self.index)
         self.clock = plan.shards[0][0]
         if self.tables:
-            if isinstance(self.rows, RowCache):  # held gradients and cached rows are dropped
-                self.rows.bind(self._row_client(plan))
+            client = self._row_client(plan)
+            old = self.rows.client if isinstance(self.rows, RowCache) else self.rows
+            client.last = getattr(old, "last", None)  # (what a replay pushes again)
+            if isinstance(self.rows, RowCache):
+                if plan.replay:  # a failover: every table holds what it held, nothing rolled
+                    self.rows.rebind(client)  # back: the cache is as good as before
+                else:  # held gradients and cached rows are dropped
+                    self.rows.bind(client)
             else:
-                self.rows = self._row_client(plan)
+                self.rows = client
             for t in self.tables:
                 t.bind(self.rows)
         if plan.rolled_back_to is not None:
@@ -322,9 +328,14 @@ class Worker(Replica):
         for k in behind:
             futures[k] = self.client.push_one(k, work.versions[k], self.flat.grad_to_send(k),
                                               work.loss, self.batch, work.ticket)
-        if self.rows is not None:
-            futures += self.rows.push_async(work.table_grads, work.table_versions, work.loss,
-                                            self.batch, work.ticket, ahead=work.ahead)
+        if self.rows is not None:  # the very messages the tables were sent (the cache's too)
+            client = self.rows.client if isinstance(self.rows, RowCache) else self.rows
+            ahead = [v > w for v, w in zip(self.table_versions, work.table_versions)]
+            # A server that had applied the step answers it as stale, with the rows asked
+            # ahead; its round took this push: accepted (a cache holding gradients would
+            # otherwise take back what that push carried, and push it a second time)
+            futures += [f.then(lambda f: replace(f.value(), accepted=True)) if was else f
+                        for f, was in zip(client.push_async(*client.last), ahead)]
         log.warning("worker%d: pushing step %d again to %d of %d shards (their PS failed over "
                     "before it was answered)", self.index, work.versions[0],
                     len(behind) + int(tables_behind), len(pulled) + len(self.table_versions))

@@ -22,6 +22,7 @@ class RowClient:
                  timeout_s: Optional[float] = None, stats=None, lag: int = 0,
                  channels: Optional[list] = None):
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
+        self.last: Optional[tuple] = None  # the last push_async's arguments (a replay's)
         # per server: the side channel its pushes take (a PS on this host), or None: TensorPipe
         self.channels = channels or [None] * len(shards)
         # lag 1: the rows asked with a push are those of the batch after next, and the ones
@@ -92,6 +93,7 @@ class RowClient:
         Replies, in server order. `void`: the gradients were computed across an update
         (shm.VOID: each server discards them). `ahead`: {table: unique global rows} of the next
         batch, whose values the replies bring (`receive`), for the next `pull`."""
+        self.last = (grads, versions, loss, samples, ticket, void, ahead)
         per = self._split({n: g[0] for n, g in grads.items()})
         if not void:
             self._count("pushed", ((n, g[0]) for n, g in grads.items()))
