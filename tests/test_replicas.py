@@ -5,13 +5,17 @@ that was never interrupted."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from psrpc.errors import ConfigError
 from psrpc.sparse import load_tables
 from tests.conftest import assert_equal_model, compose, run_cluster
-from tests.test_elastic import _kill_when
+from psrpc.ps.replicas import placement
+from tests.test_elastic import _children_named, _kill_when
 from tests.test_sparse_cluster import CLICKS
 
 pytestmark = pytest.mark.timeout(300)
@@ -126,6 +130,43 @@ def test_the_ps_back_is_a_backup_and_a_second_kill_fails_over_again(tmp_path):
     assert summary["restored_from_step"] is None and summary["replicas"]["agree"]
     plain = run_cluster(tmp_path / "plain", mode)
     assert_equal_model(state, plain[1])
+
+
+def test_every_copy_lost_at_once_rolls_back_to_the_checkpoint_saying_why(tmp_path):
+    """2 PS with 1 backup each, both killed together: some shard has no copy left, so every
+    shard rolls back to the last committed checkpoint, as without replicas, with a line
+    naming the shards."""
+    metrics = tmp_path / "metrics.jsonl"
+
+    def both():
+        return metrics.exists() and metrics.read_text().count("\n") >= 25
+
+    killer = threading.Thread(target=lambda: (
+        _wait(both, 60), [p.kill() for p in _children_named({"psrpc-ps0", "psrpc-ps1"})]),
+        daemon=True)
+    killer.start()
+    summary, _ = run_cluster(tmp_path, MLP[:2] + REPLICAS + [
+        "train.steps=300", "fault.slow_worker=1", "fault.slow_s=0.01",
+        "checkpoint.every_steps=10", f"checkpoint.dir={tmp_path / 'ck'}"])
+    killer.join(1)
+    assert summary["steps"] == 300
+    rolled = [e for e in summary["epochs"] if e["rolled_back_to"] is not None]
+    assert rolled and rolled[0]["failovers"] == [], summary["epochs"]
+    assert "lost every copy" in (tmp_path / "logs" / "worker0.log").read_text()
+
+
+def _wait(cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.05)
+
+
+def test_backups_go_to_other_hosts_first_then_the_next_ps():
+    assert placement(3, 1, ["a", "a", "a"]) == [[1], [2], [0]]
+    assert placement(4, 1, ["a", "a", "b", "b"]) == [[2], [3], [0], [1]]  # spread over h_b
+    assert placement(4, 2, ["a", "a", "b", "b"]) == [[2, 3], [3, 2], [0, 1], [1, 0]]
+    assert placement(3, 2, ["a", "b", "a"]) == [[1, 2], [2, 0], [1, 0]]
+    assert placement(2, 0, ["a", "b"]) == [[], []]
 
 
 @pytest.mark.parametrize("overrides,key", [

@@ -5,13 +5,14 @@ Replication happens after aggregation, as in the OSDI 2014 parameter server: the
 each applied update (a sync round's averaged gradient, an async push as it was applied, a step
 passed without an update) to its backups, in its own order, not each worker's push; a backup
 applies the same optimizer step at the same version, so its state equals the primary's. A push
-is answered only once every live backup has the update it brought (`Journal.gate`): whatever a
-worker has seen, a backup holds.
+is answered only once every live backup holds the update it brought (`Journal.gate`): whatever
+a worker has seen, a backup holds.
 
 On the primary (`Journal`, under the shard's lock): `record` notes each optimizer step or
-counted step, `commit` sends the update when the version moves. On a backup's PS (`apply`): the
-updates are applied in version order (several RPC threads may deliver them out of order; one
-that comes early waits for its predecessors). A backup that is being created while training goes
+counted step, `commit` sends the update when the version moves. On a backup's PS (`apply`,
+`Backlog`): an update is acknowledged once held, and applied in the primary's order by a thread
+of the backup (several RPC threads may deliver them out of order; one that comes early waits
+for its predecessors); a promotion first applies every update held. A backup that is being created while training goes
 on (a PS that came back, `copy_to`) gets the primary's state at some version and, meanwhile, the
 updates after it, which wait until it exists: the pre-copy, then what changed during it.
 
@@ -146,6 +147,76 @@ class Journal:
                 "replicated": self.seq}
 
 
+class Backlog:
+    """On a backup: its primary's updates, acknowledged as soon as they are held here (the
+    primary's reply then waits for a message, not for the backup's optimizer step) and applied
+    in their order by a thread of its own. At most WINDOW updates are held unapplied: past
+    that, an acknowledgement waits (a backup that falls behind slows its primary, not its
+    memory)."""
+
+    WINDOW = 4
+
+    def __init__(self, shard):
+        self.shard = shard
+        self.applied = 0  # the seq of the last update applied
+        self._held: dict[int, Update] = {}
+        self._waiting: list[tuple[int, torch.futures.Future]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def take(self, updates: list) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        with self._cv:
+            for u in updates:
+                if u.seq > self.applied:
+                    self._held[u.seq] = u
+            due = max((u.seq for u in updates), default=0) - self.WINDOW
+            if due > self.applied:
+                self._waiting.append((due, fut))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"psrpc-backup-{self.shard.index}")
+                self._thread.start()
+            self._cv.notify_all()
+        if due <= self.applied:
+            fut.set_result(True)
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and self.applied + 1 not in self._held:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                u = self._held.pop(self.applied + 1)
+            self.shard.apply_update(u)
+            with self._cv:
+                self.applied = u.seq
+                ready = [f for t, f in self._waiting if t <= u.seq]
+                self._waiting = [(t, f) for t, f in self._waiting if t > u.seq]
+                self._cv.notify_all()
+            for f in ready:
+                f.set_result(True)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Until every update held in order is applied (a promotion, a digest)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.applied + 1 not in self._held or self._closed,
+                                     timeout_s):
+                raise PsrpcError(f"{self.shard.name}: its backup did not apply the updates it "
+                                 f"holds within {timeout_s:g} s")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+            self._cv.notify_all()
+        for _, f in waiting:
+            f.set_result(True)
+
+
 # -- on a backup's PS ------------------------------------------------------------------------------
 _LOCK = threading.Lock()
 _EARLY: dict[int, dict[int, tuple[Update, torch.futures.Future]]] = {}  # before the backup exists
@@ -154,7 +225,7 @@ _EARLY: dict[int, dict[int, tuple[Update, torch.futures.Future]]] = {}  # before
 @comm.async_execution
 def apply(update: Update, copying: bool = False) -> torch.futures.Future:
     """An update of shard `update.index` for its backup here; the Future completes once the
-    backup has applied it (or holds a newer version). `copying`: the backup is being created
+    backup holds it (Backlog: applied in order by its own thread). `copying`: the backup is being created
     from a copy (service.copy_to): an update that comes first waits for it."""
     with _LOCK:
         backup = comm.registered().get(backup_key(update.index))
@@ -240,11 +311,17 @@ def drop_backups() -> None:
 
 
 def placement(num_ps: int, replicas: int, hosts: list[str]) -> list[list[int]]:
-    """For each PS p, the k PS holding backups of its shards: the next ones in ring order, those
-    on another host first (a host lost takes its PS and their backups elsewhere survive)."""
+    """For each PS p, the k PS holding backups of its shards: those on other hosts first (a
+    host lost takes its PS, and their backups elsewhere survive), in ring order from p, the
+    i-th PS of a host starting at the i-th of them (the backups spread over the others); then
+    the next PS of its own host."""
     out = []
     for p in range(num_ps):
         ring = [(p + d) % num_ps for d in range(1, num_ps)]
-        ring.sort(key=lambda q: hosts[q] == hosts[p])  # (stable: ring order within each)
-        out.append(ring[:replicas])
+        others = [q for q in ring if hosts[q] != hosts[p]]
+        local = [q for q in range(num_ps) if hosts[q] == hosts[p]].index(p)
+        if others:
+            turn = local % len(others)
+            others = others[turn:] + others[:turn]
+        out.append((others + [q for q in ring if hosts[q] == hosts[p]])[:replicas])
     return out

@@ -31,7 +31,7 @@ from psrpc.faults import NoFaults
 from psrpc.optim.dense import build_optimizer, count_step, step_scaled
 from psrpc.optim.schedule import lr_factor
 from psrpc.optim.treesum import Scratch, tree_sum
-from psrpc.ps.replicas import Journal, digest_of
+from psrpc.ps.replicas import Backlog, Journal, digest_of
 from psrpc.ps.snapshots import ShardSnapshots
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.updates import build_updater
@@ -68,8 +68,7 @@ class Shard:
         self.spec = spec  # what a backup of it is built from (cluster.ps_replicas)
         self.backup = backup  # a backup: it replays its primary's updates (psrpc/ps/replicas.py)
         self.journal: Optional[Journal] = None  # a primary with backups: where they are
-        self._replayed = 0  # a backup: the primary's updates applied (their seq)
-        self._early: dict[int, tuple] = {}  # a backup: updates come before their predecessors
+        self.backlog: Optional[Backlog] = Backlog(self) if backup else None
         self._init_state(spec)
         self.optim_cfg = spec.optim  # the schedule: lr by global step
         self.total_steps = spec.max_steps
@@ -255,11 +254,15 @@ class Shard:
     def close(self) -> None:
         self.updater.close()
         self.snapshots.close()
+        if self.backlog is not None:
+            self.backlog.close()
 
     # -- replicas (cluster.ps_replicas, psrpc/ps/replicas.py) ------------------------------------
     def digest(self) -> str:
         """A digest of its state (what a checkpoint of it holds but the counters): a backup's
         equals its primary's."""
+        if self.backlog is not None:
+            self.backlog.drain()
         with self.lock:
             state = self._snapshot(self.version)
         state.pop("stats")  # (a stale push after the last update counts on the primary only)
@@ -280,37 +283,21 @@ class Shard:
         return float(self.spec.update.timeout_s) + 60.0
 
     def replay(self, updates: list) -> torch.futures.Future:
-        """A backup: apply its primary's updates in their order (one that comes before its
-        predecessors waits for them); the Future completes once the last of `updates` is
-        applied."""
-        done: list[torch.futures.Future] = []
+        """A backup: its primary's updates, acknowledged once held here (Backlog)."""
+        return self.backlog.take(updates)
+
+    def apply_update(self, u) -> None:
+        """A backup: one of its primary's updates (replicas.Update), in its order."""
         with self.lock:
-            last = torch.futures.Future()
-            for u in updates:
-                if u.seq <= self._replayed:
-                    continue
-                self._early[u.seq] = (u, None)
-            mine = max((u.seq for u in updates), default=0)
-            if mine <= self._replayed:
-                return comm.completed(True)
-            self._early[mine] = (self._early[mine][0], last)
-            while self._replayed + 1 in self._early:
-                u, fut = self._early.pop(self._replayed + 1)
-                for op in u.ops:
-                    if op[0] == "step":
-                        self.step_optimizer(op[1], op[2])
-                    else:
-                        self.count_step()
-                self.version, self.max_steps = u.version, u.max_steps
-                self.stats = type(self.stats)(**u.stats)
-                self.losses.clear()
-                self.losses.extend(u.losses)
-                self._replayed = u.seq
-                if fut is not None:
-                    done.append(fut)
-        for fut in done:
-            fut.set_result(True)
-        return last
+            for op in u.ops:
+                if op[0] == "step":
+                    self.step_optimizer(op[1], op[2])
+                else:
+                    self.count_step()
+            self.version, self.max_steps = u.version, u.max_steps
+            self.stats = type(self.stats)(**u.stats)
+            self.losses.clear()
+            self.losses.extend(u.losses)
 
     def load_state(self, state: dict, seq: int) -> None:
         """A backup built from a copy of its primary (`_snapshot`'s form) after update `seq`."""
@@ -321,7 +308,8 @@ class Shard:
             self._load_common(state, seq)
 
     def _load_common(self, state: dict, seq: int) -> None:
-        self.version, self._replayed = state["version"], seq
+        self.version = state["version"]
+        self.backlog.applied = seq
         self.stats = type(self.stats)(**state["stats"])
         self.max_steps = state.get("max_steps", self.max_steps)
         self.losses.clear()
@@ -355,12 +343,14 @@ class Shard:
     def become_primary(self, name: str) -> None:
         """A backup whose primary was lost: it serves the shard from now on, writes its
         checkpoints and, once the chief names them, replicates to new backups."""
+        self.backlog.drain()
+        self.backlog.close()
         with self.lock:
             self.backup, self.name = False, name
             self.snapshots = ShardSnapshots(name, self.spec.checkpoint_dir,
                                             self.spec.checkpoint_every, self._snapshot)
             self.journal = Journal(self, [], self._replica_timeout())
-            self.journal.seq = self._replayed
+            self.journal.seq, self.backlog = self.backlog.applied, None
 
     # -- used by the update rules, under self.lock ------------------------------------------------
     @property
