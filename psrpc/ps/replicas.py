@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from psrpc.cluster import comm
+from psrpc.cluster import comm, sidechannel
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class Journal:
         self._ops: list = []
         self._acks: dict[int, torch.futures.Future] = {}  # version -> all live backups have it
         self.seq = 0  # updates sent (a backup built from a copy starts at the copy's)
+        self.channels: dict = {}  # PS name -> side channel (psrpc/cluster/sidechannel.py)
 
     @property
     def targets(self) -> list[str]:
@@ -100,7 +101,12 @@ class Journal:
                         shard.stats_dict(), list(shard.losses), shard.max_steps)
         waited = []
         for ps in self.targets:
-            fut = comm.call(ps, apply, (update, ps in self.copying), timeout_s=self.timeout_s)
+            channel = self.channels.get(ps) if ps in self.live else None
+            if channel is not None:  # a PS on this host: its Unix socket, not TensorPipe
+                fut = channel.invoke_many([(comm.Handle(ps, backup_key(shard.index)), "replay",
+                                            ([update],))], self.timeout_s)
+            else:
+                fut = comm.call(ps, apply, (update, ps in self.copying), timeout_s=self.timeout_s)
             fut.add_done_callback(lambda f, ps=ps: self._answered(f, ps))
             if ps in self.live:
                 waited.append(fut)
@@ -112,15 +118,20 @@ class Journal:
     def _answered(self, fut: torch.futures.Future, ps: str) -> None:
         try:
             fut.value()
-        except Exception as e:
-            with self.shard.lock:
-                gone = ps in self.targets
-                for names in (self.live, self.copying):
-                    if ps in names:
-                        names.remove(ps)
-            if gone:
-                log.warning("%s: its backup on %s did not take an update (%s); going on "
-                            "without it", self.shard.name, ps, first_line(e))
+        except Exception as e:  # on a thread of its own: a send that fails at once completes
+            threading.Thread(target=self._give_up, args=(ps, e),  # this Future under the
+                             daemon=True).start()  # shard's lock, in `commit`
+
+    def _give_up(self, ps: str, e: Exception) -> None:
+        with self.shard.lock:
+            gone = ps in self.targets
+            for names in (self.live, self.copying):
+                if ps in names:
+                    names.remove(ps)
+            self.channels.pop(ps, None)
+        if gone:
+            log.warning("%s: its backup on %s did not take an update (%s); going on without "
+                        "it", self.shard.name, ps, first_line(e))
 
     def gate(self, future: torch.futures.Future) -> torch.futures.Future:
         """The Future of a push's reply, completed once every live backup holds the version
@@ -267,9 +278,16 @@ def promote(index: int) -> int:
     return backup.version
 
 
-def set_backups(index: int, backups: list[str]) -> None:
-    """The primary of shard `index` (here) replicates to these PS from its next update."""
-    comm.registered()[index].replicate_to(backups)
+def set_backups(index: int, backups: list[str], side: bool = False) -> None:
+    """The primary of shard `index` (here) replicates to these PS from its next update;
+    `side`: through the side channel to those on this host (cluster.shm is not off)."""
+    comm.registered()[index].replicate_to(backups, channels(backups) if side else {})
+
+
+def channels(names: list[str], timeout_s: float = 30.0) -> dict:
+    """The side channels to those of these PS that run on this host (the others: none)."""
+    out = {n: sidechannel.connect(n, timeout_s) for n in names}
+    return {n: c for n, c in out.items() if c is not None}
 
 
 def digests() -> dict[int, tuple[str, str]]:

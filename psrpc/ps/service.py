@@ -51,7 +51,7 @@ def create_backup(spec: ShardSpec, state: Optional[dict] = None, seq: int = 0) -
     return backup.version
 
 
-def copy_to(index: int, ps: str, timeout_s: float) -> int:
+def copy_to(index: int, ps: str, timeout_s: float, side: bool = False) -> int:
     """Bring a new backup of shard `index` (its primary here) up on `ps` while training goes
     on: the state now, taken under the lock, and from then on every update (not waited for
     until the backup exists). Returns the version copied."""
@@ -62,7 +62,7 @@ def copy_to(index: int, ps: str, timeout_s: float) -> int:
     except Exception as e:
         shard.copy_failed(ps)
         raise PsrpcError(f"{shard.name}: copying it to {ps} failed: {first_line(e)}") from e
-    shard.copy_done(ps)
+    shard.copy_done(ps, replicas.channels([ps]) if side else {})
     return state["version"]
 
 

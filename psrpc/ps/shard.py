@@ -271,13 +271,14 @@ class Shard:
     def stats_dict(self) -> dict:
         return asdict(self.stats)
 
-    def replicate_to(self, backups: list[str]) -> None:
-        """A primary: send every update from now on to the backups on these PS."""
+    def replicate_to(self, backups: list[str], channels: Optional[dict] = None) -> None:
+        """A primary: send every update from now on to the backups on these PS (through
+        `channels`, {PS: side channel}, where given)."""
         with self.lock:
             if self.journal is None:
-                self.journal = Journal(self, backups, self._replica_timeout())
-            else:
-                self.journal.live = [b for b in backups if b not in self.journal.copying]
+                self.journal = Journal(self, [], self._replica_timeout())
+            self.journal.live = [b for b in backups if b not in self.journal.copying]
+            self.journal.channels.update(channels or {})
 
     def _replica_timeout(self) -> float:
         return float(self.spec.update.timeout_s) + 60.0
@@ -329,11 +330,12 @@ class Shard:
             self.journal.copying.append(ps)
             return self.spec, state, self.journal.seq
 
-    def copy_done(self, ps: str) -> None:
+    def copy_done(self, ps: str, channels: Optional[dict] = None) -> None:
         with self.lock:
             if ps in self.journal.copying:
                 self.journal.copying.remove(ps)
                 self.journal.live.append(ps)
+                self.journal.channels.update(channels or {})
 
     def copy_failed(self, ps: str) -> None:
         with self.lock:

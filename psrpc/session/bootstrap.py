@@ -168,7 +168,8 @@ def create_shards(cfg: Config, topo: Topology, layouts: list[Layout], flats, sta
                          build_faults(cfg.fault, "ps", k, topo.restart_count + topo.epoch),
                          stats[g], name, shared[g] if shared else None)
         specs.append((topo.ps_names[k], spec))
-    shards = _create(specs, cfg.cluster.init_timeout_s, backup_map(cfg, topo))
+    shards = _create(specs, cfg.cluster.init_timeout_s, backup_map(cfg, topo),
+                     cfg.cluster.shm != "off")
     return [[r for r, s in zip(shards, stage_of) if s == stage] for stage in range(len(layouts))]
 
 
@@ -279,7 +280,8 @@ def create_table_shards(cfg: Config, topo: Topology, specs: list, first: int,
             sparse=cfg.sparse, restore=restore,
             hand_over=cfg.parallel.name == "data" and holds_gradients(cfg.sparse))
         built.append((topo.ps_names[k], spec))
-    return _create(built, cfg.cluster.init_timeout_s, backup_map(cfg, topo))
+    return _create(built, cfg.cluster.init_timeout_s, backup_map(cfg, topo),
+                   cfg.cluster.shm != "off")
 
 
 def backup_map(cfg: Config, topo: Topology) -> dict[str, list[str]]:
@@ -293,9 +295,10 @@ def backup_map(cfg: Config, topo: Topology) -> dict[str, list[str]]:
 
 
 def _create(specs: list[tuple[str, object]], timeout_s: float,
-            backups: Optional[dict[str, list[str]]] = None) -> list:
+            backups: Optional[dict[str, list[str]]] = None, side: bool = False) -> list:
     """Build every (PS, spec) shard at once, and its backups (cluster.ps_replicas: each from
-    the same spec, so every copy starts equal); their Handles (a constructor's error raises).
+    the same spec, so every copy starts equal; `side`: replicated through the side channel on
+    one host); their Handles (a constructor's error raises).
     Part of the start, so within cluster.init_timeout_s, not rpc_timeout_s (a PS restoring a
     large table, or still starting on a busy host, may take longer than a step's call)."""
     timeout_s = max(timeout_s, 1.0)
@@ -303,8 +306,8 @@ def _create(specs: list[tuple[str, object]], timeout_s: float,
                   + [comm.call(b, service.create_backup, (spec,), timeout_s)
                      for ps, spec in specs for b in (backups or {}).get(ps, [])])
     if backups:
-        comm.wait_all([comm.call(ps, replicas.set_backups, (spec.index, backups[ps]), timeout_s)
-                       for ps, spec in specs])
+        comm.wait_all([comm.call(ps, replicas.set_backups, (spec.index, backups[ps], side),
+                                 timeout_s) for ps, spec in specs])
     return [comm.Handle(ps, spec.index) for ps, spec in specs]
 
 

@@ -226,8 +226,9 @@ class Chief:
     def _name_backups(self) -> None:
         """Each primary replicates to the backups that exist now (not to a PS that died)."""
         held = self._held_backups()
+        side = self.cfg.cluster.shm != "off"
         comm.wait_all([comm.call(h.owner, replicas.set_backups,
-                                 (h.key, [n for n, keys in held.items() if h.key in keys]))
+                                 (h.key, [n for n, keys in held.items() if h.key in keys], side))
                        for h in self.plan.every_shard])
 
     def _restore_backups(self) -> None:
@@ -250,7 +251,8 @@ class Chief:
         timeout = self.cfg.cluster.init_timeout_s
         log.info("copying %d shards to new backups while training goes on", len(copies))
         for h, ps in copies:
-            fut = comm.call(h.owner, service.copy_to, (h.key, ps, timeout), timeout)
+            fut = comm.call(h.owner, service.copy_to,
+                            (h.key, ps, timeout, self.cfg.cluster.shm != "off"), timeout)
             fut.add_done_callback(lambda f, h=h, ps=ps: _copied(f, h, ps))
 
     def compare_replicas(self) -> dict:
