@@ -1,8 +1,8 @@
 """Everything psrpc checks before a process starts, in one place: values in range and consistent
 with each other (`check_values`), paths made absolute (`resolve_paths`), and what the user's
-factories build (`check_run`: the targets import, their arguments fit, the data builds, a batch
-of two goes through the model, the loss and the metric, the model cuts into its stages). Every
-message names the key, the value and what would be right. The schema is psrpc/config.py.
+factories build (`check_run`: the targets import, their arguments fit, the data builds, a batch of
+two goes through the model, the loss and the metric, the model cuts into its stages). Every message
+names the key, the value and what would be right. The schema is psrpc/config.py.
 
     cfg = to_config(hydra_cfg); resolve_paths(cfg); check_values(cfg); check_run(cfg)
 """
@@ -65,14 +65,12 @@ def check_values(cfg: Config) -> None:
     require(c.transports is None or (c.transports and set(c.transports) <= set(TRANSPORTS)),
            "cluster.transports", c.transports,
            f"must list TensorPipe transports from {list(TRANSPORTS)}, or be null (its default)")
-    require(c.ps_placement in ("first", "spread"), "cluster.ps_placement", c.ps_placement,
-            "must be first or spread")
+    one_of(("first", "spread"), c.ps_placement, "cluster.ps_placement")
     require(c.ps_placement == "first" or p.name == "data", "cluster.ps_placement",
             c.ps_placement, "spread is for parallel=data (pipeline stages find their devices "
             "from consecutive ranks)")
-    require(type(c.ps_replicas) is int and 0 <= c.ps_replicas < c.num_ps,
-            "cluster.ps_replicas", c.ps_replicas,
-            f"must be an int in 0..num_ps-1 = {c.num_ps - 1} (each backup lives on another PS)")
+    require(type(c.ps_replicas) is int and 0 <= c.ps_replicas < c.num_ps, "cluster.ps_replicas",
+            c.ps_replicas, f"must be an int in 0..num_ps-1 = {c.num_ps - 1} (backups on other PS)")
     require(c.ps_replicas == 0 or p.name == "data", "cluster.ps_replicas", c.ps_replicas,
             "replicas are for parallel=data (a lost pipeline stage is not recovered)")
     require(c.channels is None or (c.channels and set(c.channels) <= set(CPU_CHANNELS)),

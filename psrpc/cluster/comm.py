@@ -323,6 +323,22 @@ def failed(error: BaseException) -> Future:
     return fut
 
 
+def chain(future: Future, then: Callable[[Any, Future], None]) -> Future:
+    """A Future that `then(value, out)` completes once `future` holds its value (an error of
+    `future` goes to it as it is)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            value = f.value()
+        except BaseException as e:
+            out.set_exception(e)
+            return
+        then(value, out)
+    future.add_done_callback(done)
+    return out
+
+
 def resolve_all(ready: Sequence[tuple[Future, Any]]) -> None:
     """Complete each Future with its result, or its error when the result is an exception.
     Called outside locks: completing a Future of an async_execution call sends its reply."""

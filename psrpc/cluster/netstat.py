@@ -11,12 +11,16 @@ group, left for the next one) are gone from the count: it covers the groups aliv
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
 from typing import Optional
 
-from psrpc.cluster import store
+from psrpc.cluster import comm, store
+from psrpc.errors import first_line
+
+log = logging.getLogger(__name__)
 
 _OWNERS: dict[int, str] = {}  # socket inode -> the library that opened it ("gloo")
 # struct tcp_info (linux/tcp.h): offsets of the fields read here
@@ -117,3 +121,24 @@ def by_host_pair(ranks: dict[str, dict]) -> dict:
             row[owner] = row.get(owner, 0) + n
             row["total"] += n
     return dict(sorted(pairs.items()))
+
+
+def host_traffic(topo, lost: list[int]) -> dict:
+    """Called by the chief: each rank's TCP connections as its kernel counts them, every rank
+    asked at once (a rank that does not answer within 5 s is left out, `lost` workers are not
+    asked), summed per host pair: the summary's `host_traffic`."""
+    names = [topo.name_of(r) for r in range(topo.world_size)]
+    gone = {f"worker{w}" for w in lost}
+    asked = {n: comm.call(n, connections, timeout_s=5) for n in names
+             if n not in gone and n != topo.name}
+    ranks = {topo.name: connections()}
+    for name, fut in asked.items():
+        try:
+            ranks[name] = fut.wait()
+        except Exception as e:
+            log.warning("%s: no connection counts (%s); host_traffic leaves it out", name,
+                        first_line(e))
+    hosts: dict[str, list[str]] = {}
+    for name, info in ranks.items():
+        hosts.setdefault(info["host"], []).append(name)
+    return {"hosts": hosts, "bytes": by_host_pair(ranks)}

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from psrpc.cluster import comm
 from psrpc.errors import PushRejected
 
 log = logging.getLogger(__name__)
@@ -55,19 +56,10 @@ class HandOver:
         are applied."""
         if not self.expected:
             return at_end
-        out = torch.futures.Future()
-
-        def then(f):
-            try:
-                version = f.value()
-            except Exception as e:
-                out.set_exception(e)
-                return
+        def then(version, out):
             threading.Thread(target=self._apply_when_given, args=(out, version, wait_s),
                              name=f"{self.shard.name}-handover", daemon=True).start()
-
-        at_end.add_done_callback(then)
-        return out
+        return comm.chain(at_end, then)
 
     def _apply_when_given(self, out: torch.futures.Future, version: int,
                           wait_s: Optional[float]) -> None:

@@ -26,7 +26,7 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -136,96 +136,18 @@ class Journal:
     def gate(self, future: torch.futures.Future) -> torch.futures.Future:
         """The Future of a push's reply, completed once every live backup holds the version
         it carries."""
-        out = torch.futures.Future()
-
-        def replied(f):
-            try:
-                reply = f.value()
-            except BaseException as e:
-                out.set_exception(e)
-                return
+        def replied(reply, out):
             with self.shard.lock:
                 ack = self._acks.get(getattr(reply, "version", None))
             if ack is None:
                 out.set_result(reply)
             else:
                 ack.add_done_callback(lambda _: out.set_result(reply))
-        future.add_done_callback(replied)
-        return out
+        return comm.chain(future, replied)
 
     def report(self) -> dict:
         return {"backups": list(self.live), "backups_copying": list(self.copying),
                 "replicated": self.seq}
-
-
-class Backlog:
-    """On a backup: its primary's updates, acknowledged as soon as they are held here (the
-    primary's reply then waits for a message, not for the backup's optimizer step) and applied
-    in their order by a thread of its own. At most WINDOW updates are held unapplied: past
-    that, an acknowledgement waits (a backup that falls behind slows its primary, not its
-    memory)."""
-
-    WINDOW = 4
-
-    def __init__(self, shard):
-        self.shard = shard
-        self.applied = 0  # the seq of the last update applied
-        self._held: dict[int, Update] = {}
-        self._waiting: list[tuple[int, torch.futures.Future]] = []
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread: Optional[threading.Thread] = None
-
-    def take(self, updates: list) -> torch.futures.Future:
-        fut = torch.futures.Future()
-        with self._cv:
-            for u in updates:
-                if u.seq > self.applied:
-                    self._held[u.seq] = u
-            due = max((u.seq for u in updates), default=0) - self.WINDOW
-            if due > self.applied:
-                self._waiting.append((due, fut))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"psrpc-backup-{self.shard.index}")
-                self._thread.start()
-            self._cv.notify_all()
-        if due <= self.applied:
-            fut.set_result(True)
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and self.applied + 1 not in self._held:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                u = self._held.pop(self.applied + 1)
-            self.shard.apply_update(u)
-            with self._cv:
-                self.applied = u.seq
-                ready = [f for t, f in self._waiting if t <= u.seq]
-                self._waiting = [(t, f) for t, f in self._waiting if t > u.seq]
-                self._cv.notify_all()
-            for f in ready:
-                f.set_result(True)
-
-    def drain(self, timeout_s: float = 60.0) -> None:
-        """Until every update held in order is applied (a promotion, a digest)."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: self.applied + 1 not in self._held or self._closed,
-                                     timeout_s):
-                raise PsrpcError(f"{self.shard.name}: its backup did not apply the updates it "
-                                 f"holds within {timeout_s:g} s")
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            waiting, self._waiting = self._waiting, []
-            self._cv.notify_all()
-        for _, f in waiting:
-            f.set_result(True)
 
 
 # -- on a backup's PS ------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ from psrpc.faults import NoFaults
 from psrpc.optim.dense import build_optimizer, count_step, step_scaled
 from psrpc.optim.schedule import lr_factor
 from psrpc.optim.treesum import Scratch, tree_sum
-from psrpc.ps.replicas import Backlog, Journal, digest_of
+from psrpc.ps.backup import Backlog, Replicated
+from psrpc.ps.checks import PushChecks
+from psrpc.ps.replicas import Journal
 from psrpc.ps.snapshots import ShardSnapshots
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.updates import build_updater
@@ -61,7 +63,7 @@ class ShardSpec:
     shm: Optional[tuple] = None  # (mode, run, worker ids): shared memory with those workers
 
 
-class Shard:
+class Shard(Replicated, PushChecks):
     def __init__(self, spec: ShardSpec, backup: bool = False):
         self.index = spec.index  # global shard number (stage · P + k); 0 is the clock shard
         self.name = spec.name or f"ps{spec.index}"
@@ -257,103 +259,6 @@ class Shard:
         if self.backlog is not None:
             self.backlog.close()
 
-    # -- replicas (cluster.ps_replicas, psrpc/ps/replicas.py) ------------------------------------
-    def digest(self) -> str:
-        """A digest of its state (what a checkpoint of it holds but the counters): a backup's
-        equals its primary's."""
-        if self.backlog is not None:
-            self.backlog.drain()
-        with self.lock:
-            state = self._snapshot(self.version)
-        state.pop("stats")  # (a stale push after the last update counts on the primary only)
-        return digest_of(state)
-
-    def stats_dict(self) -> dict:
-        return asdict(self.stats)
-
-    def replicate_to(self, backups: list[str], channels: Optional[dict] = None) -> None:
-        """A primary: send every update from now on to the backups on these PS (through
-        `channels`, {PS: side channel}, where given)."""
-        with self.lock:
-            if self.journal is None:
-                self.journal = Journal(self, [], self._replica_timeout())
-            self.journal.live = [b for b in backups if b not in self.journal.copying]
-            self.journal.channels.update(channels or {})
-
-    def _replica_timeout(self) -> float:
-        return float(self.spec.update.timeout_s) + 60.0
-
-    def replay(self, updates: list) -> torch.futures.Future:
-        """A backup: its primary's updates, acknowledged once held here (Backlog)."""
-        return self.backlog.take(updates)
-
-    def apply_update(self, u) -> None:
-        """A backup: one of its primary's updates (replicas.Update), in its order."""
-        with self.lock:
-            for op in u.ops:
-                if op[0] == "step":
-                    self.step_optimizer(op[1], op[2])
-                else:
-                    self.count_step()
-            self.version, self.max_steps = u.version, u.max_steps
-            self.stats = type(self.stats)(**u.stats)
-            self.losses.clear()
-            self.losses.extend(u.losses)
-
-    def load_state(self, state: dict, seq: int) -> None:
-        """A backup built from a copy of its primary (`_snapshot`'s form) after update `seq`."""
-        with self.lock:
-            with shm.writing(self.seq):
-                self.params.copy_(state["params"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self._load_common(state, seq)
-
-    def _load_common(self, state: dict, seq: int) -> None:
-        self.version = state["version"]
-        self.backlog.applied = seq
-        self.stats = type(self.stats)(**state["stats"])
-        self.max_steps = state.get("max_steps", self.max_steps)
-        self.losses.clear()
-        self.losses.extend(state.get("losses", []))
-
-    def start_copy(self, ps: str) -> tuple:
-        """A primary: (spec, state, seq) for a new backup on `ps`, taken under the lock; from
-        now on every update goes to `ps` too (not waited for until `copy_done`)."""
-        with self.lock:
-            if self.journal is None:
-                self.journal = Journal(self, [], self._replica_timeout())
-            state = self._snapshot(self.version)
-            state.update(max_steps=self.max_steps, losses=list(self.losses))
-            for names in (self.journal.live, self.journal.copying):
-                if ps in names:
-                    names.remove(ps)
-            self.journal.copying.append(ps)
-            return self.spec, state, self.journal.seq
-
-    def copy_done(self, ps: str, channels: Optional[dict] = None) -> None:
-        with self.lock:
-            if ps in self.journal.copying:
-                self.journal.copying.remove(ps)
-                self.journal.live.append(ps)
-                self.journal.channels.update(channels or {})
-
-    def copy_failed(self, ps: str) -> None:
-        with self.lock:
-            if ps in self.journal.copying:
-                self.journal.copying.remove(ps)
-
-    def become_primary(self, name: str) -> None:
-        """A backup whose primary was lost: it serves the shard from now on, writes its
-        checkpoints and, once the chief names them, replicates to new backups."""
-        self.backlog.drain()
-        self.backlog.close()
-        with self.lock:
-            self.backup, self.name = False, name
-            self.snapshots = ShardSnapshots(name, self.spec.checkpoint_dir,
-                                            self.spec.checkpoint_every, self._snapshot)
-            self.journal = Journal(self, [], self._replica_timeout())
-            self.journal.seq, self.backlog = self.backlog.applied, None
-
     # -- used by the update rules, under self.lock ------------------------------------------------
     @property
     def finished(self) -> bool:
@@ -445,61 +350,6 @@ class Shard:
         return {"shard": self.index, "version": step, "params": self.params.detach().clone(),
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "stats": asdict(self.stats)}
-
-    def _check_worker_version(self, worker, version) -> None:
-        name = self.name
-        if type(worker) is not int or not 0 <= worker < self.num_workers:
-            raise PushRejected(f"{name}: push from unknown worker {worker!r} "
-                               f"(workers are 0..{self.num_workers - 1})")
-        if type(version) is not int or version < 0:
-            raise PushRejected(f"{name}: worker{worker} pushed a gradient for step {version!r}; "
-                               "a step is an int >= 0")
-        if version > self.version:
-            raise PushRejected(f"{name}: worker{worker} pushed a gradient for step {version!r}, "
-                               f"but this shard is at step {self.version} (a step from the future)")
-
-    def _check(self, worker, version, grad, loss, samples, ticket) -> None:
-        """Every argument of a push, before anything changes."""
-        name = self.name
-        self._check_worker_version(worker, version)
-        if not shm.is_marker(grad, shm.VOID):
-            self._check_payload(worker, grad)
-        elif not getattr(self.updater, "takes_void", False):
-            raise PushRejected(f"{name}: worker{worker} pushed {grad!r}: only sync rounds take it")
-        if type(loss) not in (int, float):
-            raise PushRejected(f"{name}: worker{worker} pushed loss {loss!r}, expected a number")
-        if type(samples) is not int or samples < 0:
-            raise PushRejected(f"{name}: worker{worker} pushed samples={samples!r}, expected an "
-                               "int >= 0")
-        ordered = getattr(self.updater, "ordered", False)
-        if ordered and (type(ticket) is not int or ticket < 0):
-            raise PushRejected(f"{name}: worker{worker} pushed ticket {ticket!r}: with "
-                               "update.max_staleness set every push needs a ticket from admit")
-        if not ordered and ticket is not None:
-            raise PushRejected(f"{name}: worker{worker} pushed ticket {ticket!r}, but this "
-                               "shard takes no tickets (only bounded async does)")
-
-    def _check_payload(self, worker: int, grad) -> None:
-        """A dense shard's gradient: one flat CPU tensor of its length, in the wire dtype; or
-        shm.SLOT from a worker that has a slot here."""
-        name = self.name
-        if isinstance(grad, str):
-            if grad != shm.SLOT or worker not in self.slots:
-                raise PushRejected(f"{name}: worker{worker} pushed {grad!r}, but it has no "
-                                   "shared-memory slot on this shard")
-            return
-        if not isinstance(grad, torch.Tensor):
-            raise PushRejected(f"{name}: worker{worker} pushed a {type(grad).__name__}, "
-                               "expected a flat tensor")
-        if grad.dim() != 1 or grad.numel() != self.params.numel():
-            raise PushRejected(f"{name}: worker{worker} pushed shape {tuple(grad.shape)}, "
-                               f"expected ({self.params.numel()},) (this shard's flat length)")
-        if grad.dtype != self.wire_dtype:
-            raise PushRejected(f"{name}: worker{worker} pushed dtype {grad.dtype}, expected "
-                               f"{self.wire_dtype} (update.wire_dtype)")
-        if grad.device.type != "cpu" or grad.layout != torch.strided:
-            raise PushRejected(f"{name}: worker{worker} pushed a {grad.layout} tensor on "
-                               f"{grad.device}, expected a dense CPU tensor")
 
 
 def _no_host_sums(name: str):

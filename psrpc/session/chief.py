@@ -25,10 +25,10 @@ from psrpc.cluster.topology import Topology
 from psrpc.cluster.wire import Reply
 from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line, network_failure
-from psrpc.ps import replicas, service
-from psrpc.session import outputs
+from psrpc.ps import service
+from psrpc.session import failover, outputs
 from psrpc.cluster.layout import Layout
-from psrpc.session.bootstrap import (backup_map, bootstrap, create_shards, create_table_shards, initial_state,
+from psrpc.session.bootstrap import (bootstrap, create_shards, create_table_shards, initial_state,
                                      split_dense)
 from psrpc.session.hooks import (BestModel, Evaluate, Hooks, RunContext, StepInfo, Throughput,
                                  default_hooks)
@@ -48,15 +48,6 @@ _DONE: dict[int, dict] = {}  # worker index -> its stats, as workers finish
 _DONE_LOCK = threading.Condition()
 _STOP_REQUESTED = threading.Event()  # SIGTERM/SIGINT on the chief: end at the next step
 _FINISHING = threading.Event()  # training is over: final checkpoint and outputs under way
-
-
-def _copied(fut: torch.futures.Future, handle, ps: str) -> None:
-    try:
-        version = fut.value()
-    except Exception as e:
-        log.warning("shard %d: no new backup on %s (%s)", handle.key, ps, first_line(e))
-        return
-    log.info("shard %d: a new backup on %s, copied at step %d", handle.key, ps, version)
 
 
 def _plan_future(epoch: int) -> torch.futures.Future:
@@ -146,12 +137,9 @@ class Chief:
         found = {index for part in held for index in part}
         rolled_back, failovers = None, []
         if found != {h.key for h in self.plan.every_shard} and self.cfg.cluster.ps_replicas:
-            failovers = self._fail_over(found)  # [] when some shard has no copy left
+            self.plan, failovers = failover.fail_over(self.cfg, self.topo, self.plan, found)
         shards = self.plan.every_shard
-        if self.cfg.cluster.ps_replicas and failovers:  # no update goes to a copy now gone
-            self._name_backups()
-        if found | {f["shard"] for f in failovers} == {h.key for h in shards}:
-            # every shard is where it was, or on its backup: line them up
+        if found | {f["shard"] for f in failovers} == {h.key for h in shards}:  # line them up
             replay = bool(failovers) and self.cfg.update.name == "sync"
             versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay) for r in shards])
             target = max(versions)
@@ -179,107 +167,13 @@ class Chief:
                             "pause_s": round(pause, 3), "rolled_back_to": rolled_back,
                             "failovers": failovers,
                             "applied_before": clock["per_worker_applied"]})
-        moved = sorted({f"{f['from']} -> {f['to']}" for f in failovers})
         log.warning("membership epoch %d: %s joined again at step %d%s; the cluster paused "
-                    "%.1f s", epoch, who, step,
-                    f" (every shard rolled back to step {rolled_back})"
-                    if rolled_back is not None else
-                    f" ({len(failovers)} shards failed over to their backups: "
-                    f"{', '.join(moved)}; nothing rolled back)" if failovers else "", pause)
+                    "%.1f s", epoch, who, step, failover.what_moved(rolled_back, failovers),
+                    pause)
         if self.cfg.cluster.ps_replicas:  # new backups where copies were lost, in the background
-            self._restore_backups()
+            failover.restore_backups(self.cfg, self.topo, self.plan)
         _plan_future(epoch).set_result(plan)
         return plan
-
-    def _fail_over(self, found: set[int]) -> list[dict]:
-        """cluster.ps_replicas: each shard whose primary is gone is served from now on by a
-        backup (promoted on its PS; the plan's Handle points there). Returns what moved, or []
-        (nothing promoted) when some lost shard has no copy left: then every shard rolls back,
-        as without replicas."""
-        names = self.topo.ps_names
-        held = dict(zip(names, comm.wait_all([comm.call(n, replicas.local_backups)
-                                              for n in names])))
-        lost = [h for h in self.plan.every_shard if h.key not in found]
-        where = {h.key: next((n for n in names if h.key in held[n]), None) for h in lost}
-        if any(n is None for n in where.values()):
-            gone = sorted(k for k, n in where.items() if n is None)
-            log.warning("shards %s lost every copy (their primary and cluster.ps_replicas=%d "
-                        "backups): rolling every shard back to the last checkpoint", gone,
-                        self.cfg.cluster.ps_replicas)
-            return []
-        versions = comm.wait_all([comm.call(where[h.key], replicas.promote, (h.key,))
-                                  for h in lost])
-        moved = {h.key: comm.Handle(where[h.key], h.key) for h in lost}
-        self.plan = replace(
-            self.plan, shards=[[moved.get(h.key, h) for h in stage] for stage in self.plan.shards],
-            table_shards=[moved.get(h.key, h) for h in self.plan.table_shards],
-            # (a worker started later takes no shared memory with a backup: it has none)
-            shared=[None if g in moved else x for g, x in enumerate(self.plan.shared)])
-        return [{"shard": h.key, "from": h.owner, "to": where[h.key], "version": v}
-                for h, v in zip(lost, versions)]
-
-    def _held_backups(self) -> dict[str, list[int]]:
-        names = self.topo.ps_names
-        return dict(zip(names, comm.wait_all([comm.call(n, replicas.local_backups)
-                                              for n in names])))
-
-    def _name_backups(self) -> None:
-        """Each primary replicates to the backups that exist now (not to a PS that died)."""
-        held = self._held_backups()
-        side = self.cfg.cluster.shm != "off"
-        comm.wait_all([comm.call(h.owner, replicas.set_backups,
-                                 (h.key, [n for n, keys in held.items() if h.key in keys], side))
-                       for h in self.plan.every_shard])
-
-    def _restore_backups(self) -> None:
-        """Every shard with fewer than cluster.ps_replicas backups gets new ones, copied from its
-        primary while training goes on (a PS that came back holds none): on the PS the
-        placement names, else any other PS without a copy of it."""
-        names = self.topo.ps_names
-        held = self._held_backups()
-        wanted = backup_map(self.cfg, self.topo)
-        copies = []
-        for h in self.plan.every_shard:
-            have = [n for n in names if h.key in held[n]]
-            home = names[self.plan_ps(h)]
-            order = wanted.get(home, []) + [n for n in names if n not in wanted.get(home, [])]
-            free = [n for n in order if n != h.owner and n not in have]
-            for ps in free[:max(0, self.cfg.cluster.ps_replicas - len(have))]:
-                copies.append((h, ps))
-        if not copies:
-            return
-        timeout = self.cfg.cluster.init_timeout_s
-        log.info("copying %d shards to new backups while training goes on", len(copies))
-        for h, ps in copies:
-            fut = comm.call(h.owner, service.copy_to,
-                            (h.key, ps, timeout, self.cfg.cluster.shm != "off"), timeout)
-            fut.add_done_callback(lambda f, h=h, ps=ps: _copied(f, h, ps))
-
-    def compare_replicas(self) -> dict:
-        """Whether every backup holds its primary's state bit for bit (a digest of each copy's
-        checkpoint form: rows, optimizer state, version, counters), and where the copies are."""
-        names = self.topo.ps_names
-        found = comm.wait_all([comm.call(n, replicas.digests) for n in names])
-        copies: dict[int, dict] = {}
-        for name, held in zip(names, found):
-            for index, (role, digest) in held.items():
-                copies.setdefault(index, {"primary": None, "backups": {}})
-                if role == "primary":
-                    copies[index]["primary"] = (name, digest)
-                else:
-                    copies[index]["backups"][name] = digest
-        agree = all(c["primary"] is not None and c["backups"] and all(
-            d == c["primary"][1] for d in c["backups"].values()) for c in copies.values())
-        return {"agree": agree, "copies": {k: {"primary": c["primary"][0] if c["primary"] else
-                                               None, "backups": sorted(c["backups"])}
-                                           for k, c in sorted(copies.items())}}
-
-    def plan_ps(self, handle) -> int:
-        """The PS a shard was placed on at the start (its primary unless it failed over)."""
-        layout = self.plan.layout
-        if handle in self.plan.table_shards:
-            return self.plan.table_shards.index(handle)
-        return layout.shard_ps[handle.key] if handle.key < len(layout.shard_ps) else 0
 
     def _roll_back(self, epoch: int, who: str):
         """Every shard from the last committed checkpoint (a PS lost its shards)."""
@@ -467,25 +361,6 @@ class Chief:
                              f"step within {timeout:g} s (update.timeout_s + 5)")
         return steps
 
-    def host_traffic(self) -> dict:
-        """Each rank's TCP connections as its kernel counts them (psrpc/cluster/netstat.py),
-        every rank asked at once; a rank that does not answer within 5 s is left out."""
-        names = [self.topo.name_of(r) for r in range(self.topo.world_size)]
-        lost = {f"worker{w}" for w in self.lost}
-        asked = {n: comm.call(n, netstat.connections, timeout_s=5) for n in names
-                 if n not in lost and n != self.topo.name}
-        ranks = {self.topo.name: netstat.connections()}
-        for name, fut in asked.items():
-            try:
-                ranks[name] = fut.wait()
-            except Exception as e:
-                log.warning("%s: no connection counts (%s); host_traffic leaves it out", name,
-                            first_line(e))
-        hosts: dict[str, list[str]] = {}
-        for name, info in ranks.items():
-            hosts.setdefault(info["host"], []).append(name)
-        return {"hosts": hosts, "bytes": netstat.by_host_pair(ranks)}
-
     def finish(self, worker: Worker, evaluate, wall_s: float, total_s: float) -> dict:
         """model.pt and the summary, after the final checkpoint; the final evaluation is
         skipped when a signal stopped the run."""
@@ -496,15 +371,14 @@ class Chief:
         if self.best is not None:
             self.best.consider(reports[0]["version"], tests, state)
         hidden = outputs.hidden_auc(None if signalled else worker.data.test)
-        traffic = self.host_traffic()
+        traffic = netstat.host_traffic(self.topo, self.lost)
         summary = outputs.make_summary(
             self.cfg, self.topo, self.plan, reports, wall_s=wall_s, total_s=total_s,
             samples_per_s=self.throughput.samples_per_s(), tests={**tests, **hidden},
             lost=self.lost, stopped_early=self.stopped_early, epochs=self.epochs,
             final_checkpoint_error=self.final_checkpoint_error, traffic=traffic,
             workers={0: vars(worker.stats), **{w: s for w, s in _DONE.items()}})
-        if self.cfg.cluster.ps_replicas:
-            summary["replicas"] = self.compare_replicas()
+        summary.update(failover.compare_replicas(self.cfg, self.topo))
         outputs.write_outputs(self.out_dir, state, summary)
         if self.plan.table_shards:  # each PS writes its rows itself (tables/ps<k>.pt), the
             shards = self.plan.table_shards  # chief the index of them last

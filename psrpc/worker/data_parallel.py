@@ -15,7 +15,6 @@ ahead and do not depend on timing; with one worker this is the global step again
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 from typing import Callable, Optional
@@ -29,7 +28,6 @@ from psrpc.config import Config
 from psrpc.errors import PsrpcError
 from psrpc.factories import Data
 from psrpc.optim.treesum import TreeAccumulator
-from psrpc.sparse.rows import mean_rows
 from psrpc.sparse.tables import find_tables
 from psrpc.worker import hostpush, rng
 from psrpc.worker.allreduce import DenseAllReduce
@@ -40,8 +38,7 @@ from psrpc.worker.loader import split_batch
 from psrpc.worker.plan import Plan
 from psrpc.worker.replica import Replica, await_change, load_buffers, model_buffers
 from psrpc.worker.rows import RowClient
-
-log = logging.getLogger(__name__)
+from psrpc.worker.work import Grad, Work, mean_of_parts, replay_step
 
 
 class Worker(Replica):
@@ -72,7 +69,7 @@ class Worker(Replica):
         # step t+1's: such models, and micro-batches (train.accumulate), step one at a time.
         self.accumulate = cfg.train.accumulate
         self.host = hostpush.Blocks()  # update.host_push: this epoch's block on this host
-        self._work: Optional[_Work] = None  # the last step computed
+        self._work: Optional[Work] = None  # the last step computed
         self._accumulator = TreeAccumulator()
         self.pipelined = bool(self.tables) and self.allreduce is not None and self.sync \
             and cfg.sparse.cache_staleness >= 1 and not model_buffers(self.model) \
@@ -154,7 +151,7 @@ class Worker(Replica):
         work = self._work = self.compute(step, versions)
         return work.loss, (None if work.futures is None else self.push(work))
 
-    def compute(self, step: int, versions: list[int]) -> "_Work":
+    def compute(self, step: int, versions: list[int]) -> "Work":
         """`step`'s forward and backward; the dense shards' pushes go out as backward fills
         them, the tables' and the clock's wait for `push`. With train.accumulate=k the batch
         goes through in k micro-batches, each as worker index·k+m of a cluster of W·k workers
@@ -209,7 +206,7 @@ class Worker(Replica):
                     g.zero_()
         rest = self.flat.disarm() if overlap else list(range(len(self.flat.params)))
         value = sum(losses) / parts  # (as a round averages its workers' losses)
-        table_grads = table_parts[0] if parts == 1 else _mean_of_parts(table_parts)
+        table_grads = table_parts[0] if parts == 1 else mean_of_parts(table_parts)
         if acc is not None:
             acc.total(self.flat.all_grads())
             for g in self.flat.all_grads():
@@ -219,7 +216,7 @@ class Worker(Replica):
                                                                table_grads.values()])
         if clip:  # this worker's own gradient norm (the round averages clipped gradients)
             torch.nn.utils.clip_grad_norm_(
-                list(self.model.parameters()) + [_Grad(g[1]) for g in table_grads.values()],
+                list(self.model.parameters()) + [Grad(g[1]) for g in table_grads.values()],
                 clip)
         if self.bounded:
             # After a pull the shards' versions can differ (tickets still in flight): the
@@ -227,19 +224,19 @@ class Worker(Replica):
             admitted = self.client.admit(self.clock, min(versions + self.table_versions))
             if admitted.seq is None:
                 self.finished = admitted.finished
-                return _Work(versions, value, None)
+                return Work(versions, value, None)
             ticket = admitted.seq
         for k in rest:  # shards with unused parameters, or all of them (see above)
             push(k)
         self.flat.flush()
-        work = _Work(versions, value, futures, ticket, table_grads)
+        work = Work(versions, value, futures, ticket, table_grads)
         work.ahead = self._rows_ahead(step, x) if self.rows is not None else None
         work.table_versions = list(self.table_versions) if self.rows is not None else None
         if self.allreduce is not None:
             work.finite = self.allreduce.finish(versions[0])
         return work
 
-    def push(self, work: "_Work") -> list:
+    def push(self, work: "Work") -> list:
         """The clock's and the tables' pushes of a computed step: every push Future."""
         futures, versions, value, ticket = work.futures, work.versions, work.loss, work.ticket
         if self.allreduce is not None:  # the clock shard counts the round; a non-finite
@@ -309,39 +306,6 @@ class Worker(Replica):
         if self.allreduce is not None and plan.dense is not None:
             self.allreduce.load(plan.dense)
 
-    def _replay(self, work: Optional["_Work"], pulled: list[Reply]) -> Optional["_Work"]:
-        """After a PS failed over to a backup (the epoch's plan says `replay`, sync): the step
-        `work` whose replies the old group lost, pushed again, unchanged, to every shard still
-        at the version it was computed on (the others applied its round: their pulled
-        parameters are that round's reply). Each shard's round then holds every worker's
-        gradient, as without the failure: nothing is computed twice, no round goes short.
-        None when there is nothing to push again."""
-        if (work is None or work.futures is None or not self.plan.replay
-                or self.allreduce is not None or work.versions[0] > pulled[0].version):
-            return None
-        behind = [k for k, r in enumerate(pulled) if r.version == work.versions[k]]
-        tables_behind = work.table_versions is not None and any(
-            v == w for v, w in zip(self.table_versions, work.table_versions))
-        if not behind and not tables_behind:
-            return None
-        futures = [comm.completed(r) for r in pulled]
-        for k in behind:
-            futures[k] = self.client.push_one(k, work.versions[k], self.flat.grad_to_send(k),
-                                              work.loss, self.batch, work.ticket)
-        if self.rows is not None:  # the very messages the tables were sent (the cache's too)
-            client = self.rows.client if isinstance(self.rows, RowCache) else self.rows
-            ahead = [v > w for v, w in zip(self.table_versions, work.table_versions)]
-            # A server that had applied the step answers it as stale, with the rows asked
-            # ahead; its round took this push: accepted (a cache holding gradients would
-            # otherwise take back what that push carried, and push it a second time)
-            futures += [f.then(lambda f: replace(f.value(), accepted=True)) if was else f
-                        for f, was in zip(client.push_async(*client.last), ahead)]
-        log.warning("worker%d: pushing step %d again to %d of %d shards (their PS failed over "
-                    "before it was answered)", self.index, work.versions[0],
-                    len(behind) + int(tables_behind), len(pulled) + len(self.table_versions))
-        replay = _Work(work.versions, work.loss, futures, work.ticket, work.table_grads)
-        return replay
-
     def rejoin(self) -> tuple[list[Reply], list[int]]:
         """Join the new membership epoch's group, take its plan, pull the parameters."""
         epoch = membership.rejoin()
@@ -358,11 +322,11 @@ class Worker(Replica):
         done again in the new epoch."""
         self.finished = False
         replies: Optional[list[Reply]] = None  # none yet: pull first
-        ahead: Optional[_Work] = None  # pipelined: the next step, computed during this one's
+        ahead: Optional[Work] = None  # pipelined: the next step, computed during this one's
         # Until every shard is at its last step: with backup workers (or async) one shard can
         # finish a round before another, and a worker that stopped at the first one's end
         # could leave the others a step short with nobody pushing to them.
-        pushed: Optional[_Work] = None  # the step whose replies are awaited (a fail-over)
+        pushed: Optional[Work] = None  # the step whose replies are awaited (a fail-over)
         while replies is None or not all(r.finished for r in replies):
             replay = None
             if replies is None or membership.changing():
@@ -370,7 +334,7 @@ class Worker(Replica):
                 try:  # (the first pull too: a rank can be started again before it)
                     if membership.changing():
                         replies, versions = self.rejoin()
-                        replay = self._replay(pushed, replies)
+                        replay = replay_step(self, pushed, replies)
                     else:
                         replies = self.client.pull()
                         versions = self.load(replies)
@@ -431,28 +395,3 @@ class Worker(Replica):
 
 
 _EMPTY = torch.zeros(0)  # the gradient pushed to the clock shard (update.dense=allreduce)
-
-
-class _Work:
-    """A computed step, not yet pushed: its loss, the dense shards' push Futures (None: the
-    staleness clock did not admit it), its table gradients and the rows asked ahead."""
-
-    def __init__(self, versions: list[int], loss: float, futures: Optional[list],
-                 ticket: Optional[int] = None, table_grads: Optional[dict] = None):
-        self.versions, self.loss, self.futures = versions, loss, futures
-        self.ticket, self.table_grads = ticket, table_grads or {}
-        self.ahead: Optional[dict] = None
-        self.table_versions: Optional[list[int]] = None  # the table shards' at its push
-        self.finite = True
-
-
-def _mean_of_parts(parts: list[dict]) -> dict:
-    """{table: (rows, mean gradient[, counts])} of the micro-batches' table gradients."""
-    return {name: mean_rows([p[name] for p in parts], len(parts))[:-1] for name in parts[0]}
-
-
-class _Grad:
-    """A tensor seen as a parameter whose .grad it is (for clip_grad_norm_)."""
-
-    def __init__(self, grad: torch.Tensor):
-        self.grad = grad

@@ -1,0 +1,187 @@
+"""What a shard does as a backup, or to make one (cluster.ps_replicas; psrpc/ps/replicas.py has
+the replication itself): `Replicated`, mixed into every Shard, and the backup's `Backlog`."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+
+from psrpc.cluster import shm
+from psrpc.errors import PsrpcError
+from psrpc.ps.replicas import Journal, Update, digest_of
+from psrpc.ps.snapshots import ShardSnapshots
+
+
+class Backlog:
+    """On a backup: its primary's updates, acknowledged as soon as they are held here (the
+    primary's reply then waits for a message, not for the backup's optimizer step) and applied
+    in their order by a thread of its own. At most WINDOW updates are held unapplied: past
+    that, an acknowledgement waits (a backup that falls behind slows its primary, not its
+    memory)."""
+
+    WINDOW = 4
+
+    def __init__(self, shard):
+        self.shard = shard
+        self.applied = 0  # the seq of the last update applied
+        self._held: dict[int, Update] = {}
+        self._waiting: list[tuple[int, torch.futures.Future]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def take(self, updates: list) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        with self._cv:
+            for u in updates:
+                if u.seq > self.applied:
+                    self._held[u.seq] = u
+            due = max((u.seq for u in updates), default=0) - self.WINDOW
+            if due > self.applied:
+                self._waiting.append((due, fut))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"psrpc-backup-{self.shard.index}")
+                self._thread.start()
+            self._cv.notify_all()
+        if due <= self.applied:
+            fut.set_result(True)
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and self.applied + 1 not in self._held:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                u = self._held.pop(self.applied + 1)
+            self.shard.apply_update(u)
+            with self._cv:
+                self.applied = u.seq
+                ready = [f for t, f in self._waiting if t <= u.seq]
+                self._waiting = [(t, f) for t, f in self._waiting if t > u.seq]
+                self._cv.notify_all()
+            for f in ready:
+                f.set_result(True)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Until every update held in order is applied (a promotion, a digest)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.applied + 1 not in self._held or self._closed,
+                                     timeout_s):
+                raise PsrpcError(f"{self.shard.name}: its backup did not apply the updates it "
+                                 f"holds within {timeout_s:g} s")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+            self._cv.notify_all()
+        for _, f in waiting:
+            f.set_result(True)
+
+
+
+class Replicated:
+    """Mixed into Shard: uses its lock, version, stats, losses, snapshots and spec."""
+
+    def digest(self) -> str:
+        """A digest of its state (what a checkpoint of it holds but the counters): a backup's
+        equals its primary's."""
+        if self.backlog is not None:
+            self.backlog.drain()
+        with self.lock:
+            state = self._snapshot(self.version)
+        state.pop("stats")  # (a stale push after the last update counts on the primary only)
+        return digest_of(state)
+
+    def stats_dict(self) -> dict:
+        return asdict(self.stats)
+
+    def replicate_to(self, backups: list[str], channels: Optional[dict] = None) -> None:
+        """A primary: send every update from now on to the backups on these PS (through
+        `channels`, {PS: side channel}, where given)."""
+        with self.lock:
+            if self.journal is None:
+                self.journal = Journal(self, [], self._replica_timeout())
+            self.journal.live = [b for b in backups if b not in self.journal.copying]
+            self.journal.channels.update(channels or {})
+
+    def _replica_timeout(self) -> float:
+        return float(self.spec.update.timeout_s) + 60.0
+
+    def replay(self, updates: list) -> torch.futures.Future:
+        """A backup: its primary's updates, acknowledged once held here (Backlog)."""
+        return self.backlog.take(updates)
+
+    def apply_update(self, u) -> None:
+        """A backup: one of its primary's updates (replicas.Update), in its order."""
+        with self.lock:
+            for op in u.ops:
+                if op[0] == "step":
+                    self.step_optimizer(op[1], op[2])
+                else:
+                    self.count_step()
+            self.version, self.max_steps = u.version, u.max_steps
+            self.stats = type(self.stats)(**u.stats)
+            self.losses.clear()
+            self.losses.extend(u.losses)
+
+    def load_state(self, state: dict, seq: int) -> None:
+        """A backup built from a copy of its primary (`_snapshot`'s form) after update `seq`."""
+        with self.lock:
+            with shm.writing(self.seq):
+                self.params.copy_(state["params"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_common(state, seq)
+
+    def _load_common(self, state: dict, seq: int) -> None:
+        self.version = state["version"]
+        self.backlog.applied = seq
+        self.stats = type(self.stats)(**state["stats"])
+        self.max_steps = state.get("max_steps", self.max_steps)
+        self.losses.clear()
+        self.losses.extend(state.get("losses", []))
+
+    def start_copy(self, ps: str) -> tuple:
+        """A primary: (spec, state, seq) for a new backup on `ps`, taken under the lock; from
+        now on every update goes to `ps` too (not waited for until `copy_done`)."""
+        with self.lock:
+            if self.journal is None:
+                self.journal = Journal(self, [], self._replica_timeout())
+            state = self._snapshot(self.version)
+            state.update(max_steps=self.max_steps, losses=list(self.losses))
+            for names in (self.journal.live, self.journal.copying):
+                if ps in names:
+                    names.remove(ps)
+            self.journal.copying.append(ps)
+            return self.spec, state, self.journal.seq
+
+    def copy_done(self, ps: str, channels: Optional[dict] = None) -> None:
+        with self.lock:
+            if ps in self.journal.copying:
+                self.journal.copying.remove(ps)
+                self.journal.live.append(ps)
+                self.journal.channels.update(channels or {})
+
+    def copy_failed(self, ps: str) -> None:
+        with self.lock:
+            if ps in self.journal.copying:
+                self.journal.copying.remove(ps)
+
+    def become_primary(self, name: str) -> None:
+        """A backup whose primary was lost: it serves the shard from now on, writes its
+        checkpoints and, once the chief names them, replicates to new backups."""
+        self.backlog.drain()
+        self.backlog.close()
+        with self.lock:
+            self.backup, self.name = False, name
+            self.snapshots = ShardSnapshots(name, self.spec.checkpoint_dir,
+                                            self.spec.checkpoint_every, self._snapshot)
+            self.journal = Journal(self, [], self._replica_timeout())
+            self.journal.seq, self.backlog = self.backlog.applied, None
+
