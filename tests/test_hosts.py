@@ -458,6 +458,29 @@ def test_a_worker_host_lost_under_torchrun_leaves_the_others_training(nothing_le
     assert barrier, logs[-3000:]
 
 
+def _ps1_host_lost(tmp_path, args: list[str], restart: bool, wait_s: float) -> tuple:
+    """srun-style tasks on four hosts: ps0 (and the store) on h0, ps1 on h1, the chief on h2,
+    worker1 on h3. h1 loses power at step 50; with `restart`, ps1 is started again with the
+    same environment on the rebooted host 2 s later, as an engine that restarts one rank at a
+    time does. (The exit codes of the tasks that lived, seconds from the loss until they
+    ended, the job id, the step of the loss.)"""
+    from tests.test_multinode import _slurm_job_id
+
+    job = _slurm_job_id()
+    with hosts.Hosts(4) as h:
+        tasks = [_srun_task(h, tmp_path, args, job, k, n=4) for k in range(4)]
+        at_loss = _wait_for_step(tmp_path / "h2.err", 50)
+        h.power_off(1)
+        lost_at = time.monotonic()
+        if restart:
+            time.sleep(2)
+            h.power_on(1)
+            tasks[1] = _srun_task(h, tmp_path, args, job, 1, n=4)
+        codes = _wait(tasks if restart else [tasks[0], *tasks[2:]], wait_s)
+        ended_s = time.monotonic() - lost_at
+    return codes, ended_s, job, at_loss
+
+
 @pytest.mark.slow
 def test_a_ps_host_lost_and_its_rank_started_again_rolls_every_shard_back(nothing_left,
                                                                          tmp_path):
@@ -467,21 +490,9 @@ def test_a_ps_host_lost_and_its_rank_started_again_rolls_every_shard_back(nothin
     at a time does. Its shards are gone with its memory, so, as under the local launcher, every
     shard rolls back to the last committed checkpoint (step-consistent) and training goes on in
     the live run: nobody else restarts, and the run ends with 0 everywhere."""
-    from tests.test_multinode import _slurm_job_id
-
     args = on_cpu(["train.steps=400", "cluster.num_ps=2", "cluster.num_workers=2", *LOSS_ARGS,
                    f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=20"])
-    job = _slurm_job_id()
-    with hosts.Hosts(4) as h:
-        tasks = [_srun_task(h, tmp_path, args, job, k, n=4) for k in range(4)]
-        at_loss = _wait_for_step(tmp_path / "h2.err", 50)
-        h.power_off(1)
-        lost_at = time.monotonic()
-        time.sleep(2)
-        h.power_on(1)
-        again = _srun_task(h, tmp_path, args, job, 1, n=4)
-        codes = _wait([tasks[0], again, *tasks[2:]], 200)
-        ended_s = time.monotonic() - lost_at
+    codes, ended_s, job, at_loss = _ps1_host_lost(tmp_path, args, restart=True, wait_s=200)
     logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(4))
     assert codes == [0, 0, 0, 0], logs[-5000:]
     summary = json.loads((tmp_path / "outputs" / "slurm" / f"{job}.0" / "summary.json")
@@ -505,19 +516,9 @@ def test_a_ps_host_lost_with_replicas_fails_over_and_equals_the_local_launcher(n
     started again on the rebooted host: ps1's shards fail over to ps0 in the membership epoch,
     nothing is rolled back, ps1 becomes their backup again, and the model is bit for bit the
     local launcher's uninterrupted run."""
-    from tests.test_multinode import _slurm_job_id
-
     args = on_cpu(["train.steps=400", "cluster.num_ps=2", "cluster.num_workers=2", *LOSS_ARGS,
                    "cluster.ps_replicas=1"])
-    job = _slurm_job_id()
-    with hosts.Hosts(4) as h:
-        tasks = [_srun_task(h, tmp_path, args, job, k, n=4) for k in range(4)]
-        _wait_for_step(tmp_path / "h2.err", 50)
-        h.power_off(1)
-        time.sleep(2)
-        h.power_on(1)
-        again = _srun_task(h, tmp_path, args, job, 1, n=4)
-        codes = _wait([tasks[0], again, *tasks[2:]], 200)
+    codes, _, job, _ = _ps1_host_lost(tmp_path, args, restart=True, wait_s=200)
     logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(4))
     assert codes == [0, 0, 0, 0], logs[-5000:]
     out = tmp_path / "outputs" / "slurm" / f"{job}.0"
@@ -541,18 +542,9 @@ def test_a_ps_host_lost_and_not_started_again_stops_the_run_naming_it(nothing_le
     srun): the ranks left ask for an epoch, wait cluster.init_timeout_s (20 s) for ps1 at its
     gathering, and each stops with one line naming ps1. Nothing hangs, nothing trains on with a
     shard missing."""
-    from tests.test_multinode import _slurm_job_id
-
     args = on_cpu(["train.steps=1500", "cluster.num_ps=2", "cluster.num_workers=2", *LOSS_ARGS,
                    "cluster.init_timeout_s=20"])
-    job = _slurm_job_id()
-    with hosts.Hosts(4) as h:
-        tasks = [_srun_task(h, tmp_path, args, job, k, n=4) for k in range(4)]
-        _wait_for_step(tmp_path / "h2.err", 50)
-        h.power_off(1)
-        lost_at = time.monotonic()
-        codes = _wait([tasks[0], *tasks[2:]], 150)
-        ended_s = time.monotonic() - lost_at
+    codes, ended_s, _, _ = _ps1_host_lost(tmp_path, args, restart=False, wait_s=150)
     assert all(c not in (None, 0) for c in codes), codes
     assert ended_s < 20 + 60, ended_s
     for k in (0, 2, 3):
