@@ -108,7 +108,11 @@ class Replicated:
         with self.lock:
             if self.journal is None:
                 self.journal = Journal(self, [], self._replica_timeout())
-            self.journal.live = [b for b in backups if b not in self.journal.copying]
+            j = self.journal
+            backups = [b for b in backups if b not in j.copying and b not in j.dropped]
+            for b in set(backups) - set(j.live):
+                j.name(b)
+            j.live = backups
             self.journal.channels.update(channels or {})
 
     def _replica_timeout(self) -> float:
@@ -159,6 +163,8 @@ class Replicated:
                 if ps in names:
                     names.remove(ps)
             self.journal.copying.append(ps)
+            self.journal.dropped.discard(ps)
+            self.journal.name(ps)
             return self.spec, state, self.journal.seq
 
     def copy_done(self, ps: str, channels: Optional[dict] = None) -> None:

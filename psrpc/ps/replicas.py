@@ -66,6 +66,19 @@ def _portable(payload: Any) -> Any:
     return payload
 
 
+def _cloned(x: Any) -> Any:
+    """`x` with a copy of every tensor in it (through dataclasses, dicts, lists, tuples)."""
+    if torch.is_tensor(x):
+        return x.clone()
+    if isinstance(x, Update):
+        return Update(x.index, x.seq, x.version, _cloned(x.ops), x.stats, x.losses, x.max_steps)
+    if isinstance(x, dict):
+        return {k: _cloned(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cloned(v) for v in x)
+    return x
+
+
 class Journal:
     """On a primary: where its backups are and which of their acknowledgements a reply waits
     for. Every method but `gate` runs under the shard's lock."""
@@ -78,6 +91,9 @@ class Journal:
         self._acks: dict[int, torch.futures.Future] = {}  # version -> all live backups have it
         self.seq = 0  # updates sent (a backup built from a copy starts at the copy's)
         self.channels: dict = {}  # PS name -> side channel (psrpc/cluster/sidechannel.py)
+        self.tokens: dict[str, int] = {}  # PS name -> which backup there (see `name`)
+        self.dropped: set[str] = set()  # PS whose backup missed an update: only a new copy
+        # there is one again (it would wait for that update for ever)
 
     @property
     def targets(self) -> list[str]:
@@ -99,15 +115,19 @@ class Journal:
         update = Update(shard.index, self.seq, version,
                         [(op[0], _portable(op[1]), op[2]) if op[0] == "step" else op for op in ops],
                         shard.stats_dict(), list(shard.losses), shard.max_steps)
-        waited = []
+        waited, held = [], None
         for ps in self.targets:
+            token = self.tokens.get(ps, 0)
             channel = self.channels.get(ps) if ps in self.live else None
             if channel is not None:  # a PS on this host: its Unix socket, not TensorPipe
                 fut = channel.invoke_many([(comm.Handle(ps, backup_key(shard.index)), "replay",
                                             ([update],))], self.timeout_s)
-            else:
-                fut = comm.call(ps, apply, (update, ps in self.copying), timeout_s=self.timeout_s)
-            fut.add_done_callback(lambda f, ps=ps: self._answered(f, ps))
+            elif ps in self.live:
+                fut = comm.call(ps, apply, (update,), timeout_s=self.timeout_s)
+            else:  # a copy's reply is not waited for: TensorPipe would read the gradient
+                held = held or _cloned(update)  # after the worker wrote its next into it
+                fut = comm.call(ps, apply, (held, True), timeout_s=self.timeout_s)
+            fut.add_done_callback(lambda f, ps=ps, token=token: self._answered(f, ps, token))
             if ps in self.live:
                 waited.append(fut)
         if waited:
@@ -115,19 +135,27 @@ class Journal:
             self._acks[version] = ack
             ack.add_done_callback(lambda _, v=version: self._acks.pop(v, None))
 
-    def _answered(self, fut: torch.futures.Future, ps: str) -> None:
+    def name(self, ps: str) -> None:
+        """`ps` holds a new backup from now on (a copy, a new epoch's): an error of an update
+        sent to the one before does not give this one up."""
+        self.tokens[ps] = self.tokens.get(ps, 0) + 1
+
+    def _answered(self, fut: torch.futures.Future, ps: str, token: int) -> None:
         try:
             fut.value()
         except Exception as e:  # on a thread of its own: a send that fails at once completes
-            threading.Thread(target=self._give_up, args=(ps, e),  # this Future under the
-                             daemon=True).start()  # shard's lock, in `commit`
+            threading.Thread(target=self._give_up, args=(ps, e, token),  # this Future under
+                             daemon=True).start()  # the shard's lock, in `commit`
 
-    def _give_up(self, ps: str, e: Exception) -> None:
+    def _give_up(self, ps: str, e: Exception, token: int) -> None:
         with self.shard.lock:
+            if self.tokens.get(ps, 0) != token:  # (an earlier backup there: this one is new)
+                return
             gone = ps in self.targets
             for names in (self.live, self.copying):
                 if ps in names:
                     names.remove(ps)
+            self.dropped.add(ps)
             self.channels.pop(ps, None)
         if gone:
             log.warning("%s: its backup on %s did not take an update (%s); going on without "
@@ -204,6 +232,13 @@ def set_backups(index: int, backups: list[str], side: bool = False) -> None:
     """The primary of shard `index` (here) replicates to these PS from its next update;
     `side`: through the side channel to those on this host (cluster.shm is not off)."""
     comm.registered()[index].replicate_to(backups, channels(backups) if side else {})
+
+
+def live_backups(index: int) -> list[str]:
+    """The PS whose backup of shard `index` (its primary here) takes every update: in step,
+    or being copied."""
+    journal = comm.registered()[index].journal
+    return [] if journal is None else journal.targets
 
 
 def channels(names: list[str], timeout_s: float = 30.0) -> dict:

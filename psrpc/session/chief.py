@@ -140,6 +140,8 @@ class Chief:
             self.plan, failovers = failover.fail_over(self.cfg, self.topo, self.plan, found)
         shards = self.plan.every_shard
         if found | {f["shard"] for f in failovers} == {h.key for h in shards}:  # line them up
+            if self.cfg.cluster.ps_replicas:  # no update goes to a copy now gone
+                failover.name_backups(self.cfg, self.topo, self.plan)
             replay = bool(failovers) and self.cfg.update.name == "sync"
             versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay) for r in shards])
             target = max(versions)

@@ -54,7 +54,6 @@ def fail_over(cfg: Config, topo: Topology, plan: Plan, found: set[int]) -> tuple
         table_shards=[moved.get(h.key, h) for h in plan.table_shards],
         # (a worker started later takes no shared memory with a backup: it has none)
         shared=[None if g in moved else x for g, x in enumerate(plan.shared)])
-    name_backups(cfg, topo, plan)  # (no update goes to a copy now gone)
     return plan, [{"shard": h.key, "from": h.owner, "to": where[h.key], "version": v}
                   for h, v in zip(lost, versions)]
 
@@ -75,15 +74,15 @@ def name_backups(cfg: Config, topo: Topology, plan: Plan) -> None:
 
 
 def restore_backups(cfg: Config, topo: Topology, plan: Plan) -> None:
-    """Every shard with fewer than cluster.ps_replicas backups gets new ones, copied from its
-    primary while training goes on (a PS that came back holds none): on the PS the
-    placement names, else any other PS without a copy of it."""
+    """Every shard with fewer than cluster.ps_replicas backups in step gets new ones, copied
+    from its primary while training goes on (a PS that came back holds none; a backup that
+    missed an update is replaced): on the PS the placement names, else any other PS."""
     names = topo.ps_names
-    held = _held_backups(topo)
+    live = comm.wait_all([comm.call(h.owner, replicas.live_backups, (h.key,))
+                          for h in plan.every_shard])
     wanted = backup_map(cfg, topo)
     copies = []
-    for h in plan.every_shard:
-        have = [n for n in names if h.key in held[n]]
+    for h, have in zip(plan.every_shard, live):
         home = names[_home(plan, h)]
         order = wanted.get(home, []) + [n for n in names if n not in wanted.get(home, [])]
         free = [n for n in order if n != h.owner and n not in have]
