@@ -337,9 +337,14 @@ def test_a_slow_link_makes_its_workers_stragglers_not_the_cluster(nothing_left, 
     # The chief sleeps 20 ms a step: alone it would otherwise run ten times as fast as the
     # three together and could end the run before TCP, backing off during the slow link,
     # brings h1's workers back (seconds)
+    # Every step logged: the chief's progress during the 4 s is read to the step (a round
+    # there may wait update.timeout_s twice: a late push from h1, stale, shows its workers
+    # alive, and the next round waits for them again)
     args = on_cpu(["train.steps=1500", "cluster.num_workers=3", "cluster.interface=eth1",
                    "fault.slow_worker=0", "fault.slow_s=0.02", "cluster.rpc_timeout_s=10",
-                   *[a for a in LOSS_ARGS if not a.startswith("cluster.rpc_timeout_s")]])
+                   *[a for a in LOSS_ARGS if not a.startswith(("cluster.rpc_timeout_s",
+                                                               "train.log_every"))],
+                   "train.log_every=1"])
     with hosts.Hosts(2) as h:
         agents = _agents(h, tmp_path, args, "slow")
         at_slow = _wait_for_step(tmp_path / "h0.err", 40)
@@ -359,7 +364,7 @@ def test_a_slow_link_makes_its_workers_stragglers_not_the_cluster(nothing_left, 
     assert summary["steps"] == 1500 and at_fast < 1500 - 500, (summary["steps"], at_fast)
     waits = [float(s) for s in re.findall(r"waited ([\d.]+) s \(update.timeout_s=2\)", logs)]
     assert waits and all(s < 2.5 for s in waits), waits  # stragglers, never waited for longer
-    assert at_fast - at_slow >= 3, (at_slow, at_fast)  # h0 trained on while the link was slow
+    assert at_fast - at_slow >= 1, (at_slow, at_fast)  # h0 trained on while the link was slow
     shard = summary["shards"][0]
     applied = shard["per_worker_applied"]
     for w in ("1", "2"):  # pushing in the rounds again once the link was fast
