@@ -106,17 +106,19 @@ class Replicated:
         """A primary: send every update from now on to the backups on these PS (through
         `channels`, {PS: side channel}, where given)."""
         with self.lock:
-            if self.journal is None:
-                self.journal = Journal(self, [], self._replica_timeout())
-            j = self.journal
+            j = self._journal()
             backups = [b for b in backups if b not in j.copying and b not in j.dropped]
             for b in set(backups) - set(j.live):
                 j.name(b)
             j.live = backups
-            self.journal.channels.update(channels or {})
+            j.channels.update(channels or {})
 
-    def _replica_timeout(self) -> float:
-        return float(self.spec.update.timeout_s) + 60.0
+    def _journal(self) -> Journal:
+        """Under the lock: this primary's Journal, made on first use (a call's timeout: a
+        round's wait plus a minute, as the workers' calls default to)."""
+        if self.journal is None:
+            self.journal = Journal(self, [], float(self.spec.update.timeout_s) + 60.0)
+        return self.journal
 
     def replay(self, updates: list) -> torch.futures.Future:
         """A backup: its primary's updates, acknowledged once held here (Backlog)."""
@@ -155,8 +157,7 @@ class Replicated:
         """A primary: (spec, state, seq) for a new backup on `ps`, taken under the lock; from
         now on every update goes to `ps` too (not waited for until `copy_done`)."""
         with self.lock:
-            if self.journal is None:
-                self.journal = Journal(self, [], self._replica_timeout())
+            self._journal()
             state = self._snapshot(self.version)
             state.update(max_steps=self.max_steps, losses=list(self.losses))
             for names in (self.journal.live, self.journal.copying):
@@ -188,6 +189,5 @@ class Replicated:
             self.backup, self.name = False, name
             self.snapshots = ShardSnapshots(name, self.spec.checkpoint_dir,
                                             self.spec.checkpoint_every, self._snapshot)
-            self.journal = Journal(self, [], self._replica_timeout())
-            self.journal.seq, self.backlog = self.backlog.applied, None
+            self._journal().seq, self.backlog = self.backlog.applied, None
 
