@@ -67,16 +67,22 @@ def test_a_backup_equals_its_primary_and_costs_no_result(tmp_path, uninterrupted
     assert replicas["agree"]
     assert all(c["primary"] != b for c in replicas["copies"].values() for b in c["backups"])
     assert all(s["replicated"] == 60 and s["backups"] for s in summary["shards"])
+    # the MLP's shards are large: their backups run the same optimizer steps
+    assert {s["replicated_as"] for s in summary["shards"]} == {"updates"}
     assert_equal_model(state, uninterrupted[1])
 
 
 def test_tables_fail_over_in_sync_bit_for_bit(tmp_path):
     """DLRM, dense shards and table shards on 2 PS, Adam (its step count is state too): ps0
-    killed; the dense parameters and every table's rows equal an uninterrupted run's."""
+    killed; the dense parameters and every table's rows equal an uninterrupted run's, and the
+    backups agreed with their primaries before it."""
     mode = CLICKS + ["cluster.num_ps=2", "cluster.num_workers=2", "train.steps=30", "optim=adam"]
     plain = run_cluster(tmp_path / "plain", mode, fast=False)
     summary, state = run_cluster(tmp_path / "killed", mode + REPLICAS + _crash(0, 12), fast=False)
     _failed_over(summary, "ps0")
+    # small dense shards and fixed tables: their backups copy what each update changed
+    # (values, Adam's moments and step; rows and their row-wise state)
+    assert {s["replicated_as"] for s in summary["shards"]} == {"values"}
     assert_equal_model(state, plain[1])
     assert_equal_model(load_tables(tmp_path / "killed"), load_tables(tmp_path / "plain"))
 

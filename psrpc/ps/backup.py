@@ -1,5 +1,6 @@
 """What a shard does as a backup, or to make one (cluster.ps_replicas; psrpc/ps/replicas.py has
-the replication itself): `Replicated`, mixed into every Shard, and the backup's `Backlog`."""
+the replication itself): `Replicated`, mixed into every Shard, `ReplicatedRows`, into a table
+shard, and the backup's `Backlog`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from psrpc.cluster import shm
 from psrpc.errors import PsrpcError
-from psrpc.ps.replicas import Journal, Update, digest_of
+from psrpc.ps.replicas import Journal, Update, digest_of, replayed
 from psrpc.ps.snapshots import ShardSnapshots
 
 
@@ -124,14 +125,48 @@ class Replicated:
         """A backup: its primary's updates, acknowledged once held here (Backlog)."""
         return self.backlog.take(updates)
 
+    COPY_NUMEL = 1 << 16  # a dense shard up to this size sends its values (`replica_ops`)
+
+    def replica_ops(self, ops: list) -> list:
+        """Under the lock, once `ops` are applied: what a backup gets to reach the same state.
+        A small dense shard's new values and optimizer state, copied there (a few copies, where
+        running the optimizer costs a fraction of a millisecond of Python on both PS, and the
+        bytes hardly count); a larger one's averaged gradients, for the same optimizer steps
+        (3x fewer bytes with Adam; the arithmetic is then what costs, either way)."""
+        if not ops or not self.copies_values():
+            return replayed(ops)
+        state = self.optimizer.state.get(self.params, {})
+        return [("values", self.params.detach().clone(),
+                 {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()})]
+
+    def copies_values(self) -> bool:
+        """Whether its backups copy what an update changed (else they replay the update)."""
+        return self.params.numel() <= self.COPY_NUMEL
+
+    def load_values(self, op: tuple) -> None:
+        """A backup: the values `replica_ops` sent."""
+        _, params, state = op
+        with shm.writing(self.seq):
+            self.params.copy_(params)
+        mine = self.optimizer.state[self.params]
+        for k, v in state.items():
+            held = mine.get(k)
+            if torch.is_tensor(v) and torch.is_tensor(held) and held.shape == v.shape \
+                    and held.dtype == v.dtype:
+                held.copy_(v)
+            else:
+                mine[k] = v.clone() if torch.is_tensor(v) else v
+
     def apply_update(self, u) -> None:
         """A backup: one of its primary's updates (replicas.Update), in its order."""
         with self.lock:
             for op in u.ops:
                 if op[0] == "step":
                     self.step_optimizer(op[1], op[2])
-                else:
+                elif op[0] == "count":
                     self.count_step()
+                else:
+                    self.load_values(op)
             self.version, self.max_steps = u.version, u.max_steps
             self.stats = type(self.stats)(**u.stats)
             self.losses.clear()
@@ -191,3 +226,42 @@ class Replicated:
                                             self.spec.checkpoint_every, self._snapshot)
             self._journal().seq, self.backlog = self.backlog.applied, None
 
+
+class ReplicatedRows:
+    """Mixed into TableShard before Shard: a fixed table's backups copy the rows an update
+    changed (uses its weights, row optimizers and dynamic tables)."""
+
+    def replica_ops(self, ops: list) -> list:
+        """Under the lock, once `ops` are applied: the rows they changed in each table, with
+        their optimizer state, and every table's step counters, for a backup to copy (the same
+        bytes as the row gradients with a row-wise optimizer, and no optimizer run there). With
+        dynamic tables (an id map, admissions, evictions to follow): the ops, replayed."""
+        if not ops or not self.copies_values():
+            return replayed(ops)
+        touched: dict[str, list] = {}
+        for op in ops:
+            if op[0] == "step":
+                for name, item in op[1].items():
+                    touched.setdefault(name, []).append(item[0])
+        tables = {}
+        for name, opt in self.row_optim.items():
+            parts = touched.get(name, [])
+            rows = parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts)) if parts \
+                else torch.empty(0, dtype=torch.int64)
+            tables[name] = (rows, self.weights[name].index_select(0, rows),
+                            {k: getattr(opt, k).index_select(0, rows) for k in opt.per_row_state},
+                            {k: getattr(opt, k) for k in opt.scalar_state})
+        return [("rows", tables)]
+
+    def copies_values(self) -> bool:
+        return not self.dynamic
+
+    def load_values(self, op: tuple) -> None:
+        """A backup: the rows `replica_ops` sent."""
+        for name, (rows, weight, per_row, scalars) in op[1].items():
+            opt = self.row_optim[name]
+            self.weights[name].index_copy_(0, rows, weight)
+            for k, v in per_row.items():
+                getattr(opt, k).index_copy_(0, rows, v)
+            for k, v in scalars.items():
+                setattr(opt, k, v)

@@ -46,8 +46,9 @@ def backup_key(index: int) -> int:
 class Update:
     """One applied update, as a backup replays it: the operations that brought the primary to
     `version` (("step", payload, lr_scale) or ("count",); from `version - 1`, or at `version`
-    for the row gradients the workers' caches hand over at the end), and the counters, recent
-    losses and last step the primary had after it."""
+    for the row gradients the workers' caches hand over at the end), or what they changed, to
+    be copied (a small dense shard's values and optimizer state, a fixed table's rows: see
+    `replica_ops`), and the counters, recent losses and last step the primary had after it."""
 
     index: int
     seq: int  # the primary's count of updates sent: a backup applies them in this order
@@ -56,6 +57,11 @@ class Update:
     stats: dict
     losses: list
     max_steps: int
+
+
+def replayed(ops: list) -> list:
+    """The ops themselves, for a backup to run the same optimizer steps."""
+    return [(op[0], _portable(op[1]), op[2]) if op[0] == "step" else op for op in ops]
 
 
 def _portable(payload: Any) -> Any:
@@ -112,8 +118,7 @@ class Journal:
             return
         shard = self.shard
         self.seq += 1
-        update = Update(shard.index, self.seq, version,
-                        [(op[0], _portable(op[1]), op[2]) if op[0] == "step" else op for op in ops],
+        update = Update(shard.index, self.seq, version, shard.replica_ops(ops),
                         shard.stats_dict(), list(shard.losses), shard.max_steps)
         waited, held = [], None
         for ps in self.targets:
@@ -175,7 +180,8 @@ class Journal:
 
     def report(self) -> dict:
         return {"backups": list(self.live), "backups_copying": list(self.copying),
-                "replicated": self.seq}
+                "replicated": self.seq,
+                "replicated_as": "values" if self.shard.copies_values() else "updates"}
 
 
 # -- on a backup's PS ------------------------------------------------------------------------------

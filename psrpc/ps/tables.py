@@ -35,6 +35,7 @@ from psrpc.optim.schedule import lr_factor
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.stats import ShardStats
 from psrpc.ps.dynamic import DynamicParts, check_counts, dynamic_tables, process_memory
+from psrpc.ps.backup import ReplicatedRows
 from psrpc.ps.handover import HandOver
 from psrpc.sparse.export import TABLES_FORMAT, table_file, tables_meta
 from psrpc.sparse.optim import build_sparse_optimizer, sparse_hyper
@@ -63,7 +64,7 @@ class TableShardSpec(ShardSpec):
     hand_over: bool = False  # the workers' row caches hold gradients: wait for them at the end
 
 
-class TableShard(DynamicParts, Shard):
+class TableShard(ReplicatedRows, DynamicParts, Shard):
     def __init__(self, spec: TableShardSpec, backup: bool = False):
         self._restored_stats: Optional[dict] = None
         super().__init__(spec, backup)
