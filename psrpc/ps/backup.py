@@ -245,9 +245,9 @@ class ReplicatedRows:
                     touched.setdefault(name, []).append(item[0])
         tables = {}
         for name, opt in self.row_optim.items():
-            parts = touched.get(name, [])
-            rows = parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts)) if parts \
-                else torch.empty(0, dtype=torch.int64)
+            parts = touched.get(name) or [torch.empty(0, dtype=torch.int64)]
+            # one step's rows are unique and ascending already; several steps' need merging
+            rows = parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
             tables[name] = (rows, self.weights[name].index_select(0, rows),
                             {k: getattr(opt, k).index_select(0, rows) for k in opt.per_row_state},
                             {k: getattr(opt, k) for k in opt.scalar_state})
