@@ -164,7 +164,12 @@ def test_a_message_over_the_large_mark_goes_over_tensorpipe(served, monkeypatch)
     small = [(handle, "push", (torch.ones(2, dtype=torch.int64), torch.ones(2, 4)))]
     large = [(handle, "push", (torch.ones(2, dtype=torch.int64), torch.ones(2, 4096)))]
     assert ch.invoke_many(small).wait()[0].samples == 2 and sent == []
+    dumps = sidechannel.pickle.dumps
+    pickled = []
+    monkeypatch.setattr(sidechannel.pickle, "dumps", lambda *a, **k: pickled.append(1) or
+                        dumps(*a, **k))
     assert ch.invoke_many(large) == "tensorpipe" and sent == [large]
+    assert pickled == []  # known large from its tensors' sizes: not pickled only to find out
     ch.close()
 
 
