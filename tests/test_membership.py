@@ -60,6 +60,51 @@ def test_a_rank_missing_from_an_epoch_is_named_after_the_timeout(store):
     assert time.monotonic() - t0 < 5
 
 
+def _arrive(epoch: int, ranks, formed=()) -> None:
+    """Ranks `ranks` arrived at `epoch`'s gathering, which completed; `formed` also said its
+    group formed."""
+    s = rendezvous.store()
+    for r in ranks:
+        s.set(membership._gather_key(0, epoch, r), "1")
+    s.set(membership._gather_key(0, epoch, "state"), "go")
+    for r in formed:
+        s.set(membership._gather_key(0, epoch, f"formed/{r}"), "1")
+
+
+@pytest.mark.parametrize("formed", [True, False], ids=["formed", "never-formed"])
+def test_a_rank_maybe_leaving_a_group_that_never_formed_gets_the_time_gloo_may_hold_it(
+        store, monkeypatch, formed):
+    """gloo's mesh connect holds a rank GLOO_CONNECT_TRIES times the group's timeout when a
+    member died as it connected: longer than cluster.init_timeout_s at the next epoch's
+    gathering. A missing rank that was at the last epoch's gathering and never said that group
+    formed gets that much more, once; one whose group formed (a rank lost) does not."""
+    _arrive(0, range(3), formed=range(3))
+    _arrive(1, range(3), formed=[0, 1] + ([2] if formed else []))
+    monkeypatch.setattr(rendezvous, "GLOO_CONNECT_TRIES", 1)  # (1 s more here, not 1.25)
+    membership._STATE["timeout_s"] = 1.0
+    with pytest.raises(PsrpcError, match=r"worker1 did not join within 1 s "
+                       r"\(cluster.init_timeout_s\)" + ("$" if formed else
+                       r" and 0.25 s more \(what leaving epoch 1's group, which did not form, "
+                       r"may take\)$")):
+        membership._gather(2, time.monotonic() + 1.0)
+    assert membership._leaving(rendezvous.store(), 2, [2]) == (None if formed else 1)
+    if not formed:  # the rank arrives within the extra time: the epoch forms
+        def arrive_late(r):
+            s = rendezvous.store()
+            s.set(membership._gather_key(0, 3, r), "1")
+            if s.add(membership._gather_key(0, 3, "count"), 1) >= len(NAMES):
+                s.compare_set(membership._gather_key(0, 3, "state"), "", "go")
+        membership._STATE["rank"] = 1
+        monkeypatch.setattr(rendezvous, "GLOO_CONNECT_TRIES", 8)  # 2 s more
+        arrive_late(0)
+        late = threading.Timer(1.5, arrive_late, (2,))
+        late.start()
+        t1 = time.monotonic()
+        assert membership._gather(3, t1 + 1.0) is True
+        late.join()
+        assert time.monotonic() - t1 >= 1.5  # it waited past its 1 s for worker1
+
+
 def test_a_ps_that_lost_the_chief_waits_for_its_word_longer_than_the_grace(store, monkeypatch):
     """Where the ranks announce epochs (torchrun, srun), a PS whose ping to the chief failed
     waits cluster.init_timeout_s, not the launcher's grace, for an epoch or for the line of a

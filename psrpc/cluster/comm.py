@@ -21,7 +21,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from psrpc.cluster import store
-from psrpc.cluster.store import FORM_TIMEOUT_S, GroupAbandoned, _AbortableStore, _process_store
+from psrpc.cluster.store import GroupAbandoned, _AbortableStore, _process_store, form_timeout_s
 from psrpc.errors import PsrpcError, first_line
 
 # A function or method that returns a Future: the RPC thread is released while it waits
@@ -102,7 +102,7 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
     host = f"[{addr}]" if ":" in addr else addr  # an IPv6 literal in a URL
     # What init_rpc waits for besides the store (which waits init_timeout_s): an elastic
     # group's members are all there already, see FORM_TIMEOUT_S
-    form_s = init_timeout_s if abort is None else min(FORM_TIMEOUT_S, init_timeout_s / 4)
+    form_s = init_timeout_s if abort is None else form_timeout_s(init_timeout_s)
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=threads,
         # torch's all-gather at the end of init_rpc waits this long (the calls' default after)

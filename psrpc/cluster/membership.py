@@ -227,7 +227,8 @@ def _me() -> str:
 def _join_newest() -> int:
     """Join the newest epoch's group. An epoch that a newer one replaces before its group has
     formed is abandoned for that one; each epoch's gathering waits at most
-    cluster.init_timeout_s, its group's forming less (comm.FORM_TIMEOUT_S)."""
+    cluster.init_timeout_s (longer for a rank that may still be leaving an earlier epoch's
+    group that did not form: `_leaving`), its group's forming less (store.form_timeout_s)."""
     timeout_s = _STATE["timeout_s"]
     while True:
         target = announced()
@@ -237,6 +238,8 @@ def _join_newest() -> int:
             continue  # a newer epoch replaced it before everyone arrived
         try:  # given up at once when a newer epoch is announced while the group forms
             _STATE["join"](target, lambda: _STOPPING.is_set() or announced() > target)
+            store.store().set(_gather_key(_STATE["attempt"], target, f"formed/{_STATE['rank']}"),
+                              "1")
         except Exception as e:
             comm.abandon()  # whatever init_rpc left half-made
             if _STOPPING.is_set():
@@ -289,6 +292,7 @@ def _gather(epoch: int, deadline: float) -> bool:
     s.set(_gather_key(attempt, epoch, rank), "1")
     if s.add(_gather_key(attempt, epoch, "count"), 1) >= world:
         s.compare_set(state, "", "go")  # the last to arrive (unless abandoned first)
+    extended = None
     while True:
         if store.wait_for(s, [state], POLL_S):
             return s.get(state) == b"go"
@@ -297,18 +301,45 @@ def _gather(epoch: int, deadline: float) -> bool:
                              f"{epoch}")
         _raise_if_failed(s)
         newer = announced() > epoch
+        if not newer and time.monotonic() >= deadline and extended is None:
+            missing = [r for r in range(world) if not s.check([_gather_key(attempt, epoch, r)])]
+            if (leaving := _leaving(s, epoch, missing)) is not None:
+                extended = leaving  # (see `_leaving`): once
+                deadline = time.monotonic() + store.leaving_s(_STATE["timeout_s"])
+                continue
         if newer or time.monotonic() >= deadline:
             if s.compare_set(state, "", "abandoned") == b"go":
                 return True  # everyone arrived just before: this epoch's group forms
             if newer:
                 return False
-            missing = [name for r, name in enumerate(_STATE["names"])
-                       if not s.check([_gather_key(attempt, epoch, r)])]
-            why = (f"membership epoch {epoch}: {', '.join(missing)} did not join within "
+            missing = [r for r in range(world) if not s.check([_gather_key(attempt, epoch, r)])]
+            names = ", ".join(_STATE["names"][r] for r in missing)
+            why = (f"membership epoch {epoch}: {names} did not join within "
                    f"{_STATE['timeout_s']:g} s (cluster.init_timeout_s)")
+            if extended is not None:
+                why += (f" and {store.leaving_s(_STATE['timeout_s']):g} s more (what leaving "
+                        f"epoch {extended}'s group, which did not form, may take)")
             if _STATE["self_announce"]:  # final: no rank asks for another epoch (the first wins)
                 why = s.compare_set(failed_key(attempt), "", why).decode() or why
             raise PsrpcError(f"{_me()}: {why}")
+
+
+def _leaving(s, epoch: int, missing: list[int]) -> Optional[int]:
+    """An earlier epoch that a missing rank may still be leaving: its gathering completed
+    ("go") with that rank there, and the rank never said its group formed. Its forming can then
+    hold the rank in gloo's mesh connect for longer than the waits that can be abandoned
+    (`store.leaving_s`), though it is alive and on its way here. None: no such epoch."""
+    attempt = _STATE["attempt"]
+    for e in range(epoch - 1, max(-1, epoch - 6), -1):
+        state = _gather_key(attempt, e, "state")
+        if not s.check([state]) or s.get(state) != b"go":
+            continue
+        for r in missing:
+            if s.check([_gather_key(attempt, e, r)]) and \
+                    not s.check([_gather_key(attempt, e, f"formed/{r}")]):
+                return e
+        return None  # (the latest epoch whose group was meant to form)
+    return None
 
 
 def finish() -> bool:
