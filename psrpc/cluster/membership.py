@@ -293,6 +293,10 @@ def _gather(epoch: int, deadline: float) -> bool:
     if s.add(_gather_key(attempt, epoch, "count"), 1) >= world:
         s.compare_set(state, "", "go")  # the last to arrive (unless abandoned first)
     extended = None
+
+    def missing() -> list[int]:
+        return [r for r in range(world) if not s.check([_gather_key(attempt, epoch, r)])]
+
     while True:
         if store.wait_for(s, [state], POLL_S):
             return s.get(state) == b"go"
@@ -302,8 +306,7 @@ def _gather(epoch: int, deadline: float) -> bool:
         _raise_if_failed(s)
         newer = announced() > epoch
         if not newer and time.monotonic() >= deadline and extended is None:
-            missing = [r for r in range(world) if not s.check([_gather_key(attempt, epoch, r)])]
-            if (leaving := _leaving(s, epoch, missing)) is not None:
+            if (leaving := _leaving(s, epoch, missing())) is not None:
                 extended = leaving  # (see `_leaving`): once
                 deadline = time.monotonic() + store.leaving_s(_STATE["timeout_s"])
                 continue
@@ -312,8 +315,7 @@ def _gather(epoch: int, deadline: float) -> bool:
                 return True  # everyone arrived just before: this epoch's group forms
             if newer:
                 return False
-            missing = [r for r in range(world) if not s.check([_gather_key(attempt, epoch, r)])]
-            names = ", ".join(_STATE["names"][r] for r in missing)
+            names = ", ".join(_STATE["names"][r] for r in missing())
             why = (f"membership epoch {epoch}: {names} did not join within "
                    f"{_STATE['timeout_s']:g} s (cluster.init_timeout_s)")
             if extended is not None:

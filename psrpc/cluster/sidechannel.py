@@ -87,22 +87,14 @@ def _as_array(x):
     return None
 
 
-def tensor_bytes(obj) -> int:
-    """The bytes of the tensors in `obj` (through tuples, lists, dicts and dataclasses)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(tensor_bytes(x) for x in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(x) for x in obj.values())
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return sum(tensor_bytes(getattr(obj, f.name)) for f in fields(obj))
-    return 0
-
-
-def pack(obj):
-    """`obj` with its CPU tensors as `_Array`s."""
-    return _walk(obj, _as_array)
+def pack(obj, size: Optional[list] = None):
+    """`obj` with its CPU tensors as `_Array`s; `size[0]`, where given, gets the bytes of every
+    tensor in it added."""
+    def leaf(x):
+        if size is not None and isinstance(x, torch.Tensor):
+            size[0] += x.numel() * x.element_size()
+        return _as_array(x)
+    return _walk(obj, leaf)
 
 
 def unpack(obj):
@@ -286,9 +278,11 @@ class SideChannel:
         assert all(h.owner == self.owner for h, _, _ in calls), "one owner per message"
         fut: Future = Future()
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if tensor_bytes([a for _, _, a in calls]) > LARGE:  # (not pickled here first: a
-            return comm.invoke_many(calls, timeout)  # large shard's update, tens of MB)
-        body = pickle.dumps([(h.key, m, pack(a)) for h, m, a in calls], protocol=5)
+        size = [0]
+        packed = [(h.key, m, pack(a, size)) for h, m, a in calls]
+        if size[0] > LARGE:  # (not pickled first to find out: a large shard's update, tens of MB)
+            return comm.invoke_many(calls, timeout)
+        body = pickle.dumps(packed, protocol=5)
         if len(body) > LARGE:
             return comm.invoke_many(calls, timeout)
         with self.lock:
