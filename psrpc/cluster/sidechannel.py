@@ -26,6 +26,8 @@ benchmarks.doorbell), as does every push where the socket cannot be reached (ano
 
 from __future__ import annotations
 
+import fcntl
+import io
 import logging
 import os
 import pickle
@@ -34,9 +36,9 @@ import secrets
 import select
 import socket
 import struct
+import termios
 import threading
 import time
-from dataclasses import fields, is_dataclass, replace
 from typing import Optional
 
 import torch
@@ -53,53 +55,40 @@ MAX_MESSAGE = 1 << 31  # a length past this is a corrupt stream, not a message
 POLL_S = 0.5  # how often a worker's reader looks for calls past their deadline
 
 
-class _Array:
-    """A CPU tensor crossing as a NumPy array (pickled into the message's own bytes)."""
-
-    __slots__ = ("a",)
-
-    def __init__(self, a):
-        self.a = a
-
-    def __reduce__(self):
-        return (_Array, (self.a,))
+def _tensor(a) -> torch.Tensor:
+    return torch.from_numpy(a)
 
 
-def _walk(obj, leaf):
-    """`obj` with `leaf(x)` in place of each x for which it is not None, through tuples, lists,
-    dicts and dataclasses."""
-    if (out := leaf(obj)) is not None:
-        return out
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_walk(x, leaf) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _walk(v, leaf) for k, v in obj.items()}
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: _walk(getattr(obj, f.name), leaf) for f in fields(obj)})
-    return obj
+class Large(Exception):
+    """A message whose tensors pass the limit `dumps` was given (their bytes so far: args[0])."""
 
 
-def _as_array(x):
-    if isinstance(x, torch.Tensor):
-        if x.device.type == "cpu" and x.dtype != torch.bfloat16 and not x.requires_grad:
-            return _Array(x.numpy())
-        return x
-    return None
+class _Pickler(pickle.Pickler):
+    """Pickles every CPU tensor as a NumPy array inside the message's own bytes (unpickled, a
+    tensor sharing the array's memory); others (bfloat16, CUDA, needing grad) as pickle does
+    them. The tensors' bytes are counted as they come: past `limit`, `Large` stops it."""
+
+    def __init__(self, file, limit: Optional[int]):
+        super().__init__(file, protocol=5)
+        self.limit, self.tensor_bytes = limit, 0
+
+    def reducer_override(self, obj):  # (never called for plain ints, floats, lists, dicts...)
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        self.tensor_bytes += obj.numel() * obj.element_size()
+        if self.limit is not None and self.tensor_bytes > self.limit:
+            raise Large(self.tensor_bytes)
+        if obj.device.type == "cpu" and obj.dtype != torch.bfloat16 and not obj.requires_grad:
+            return _tensor, (obj.numpy(),)
+        return NotImplemented
 
 
-def pack(obj, size: Optional[list] = None):
-    """`obj` with its CPU tensors as `_Array`s; `size[0]`, where given, gets the bytes of every
-    tensor in it added."""
-    def leaf(x):
-        if size is not None and isinstance(x, torch.Tensor):
-            size[0] += x.numel() * x.element_size()
-        return _as_array(x)
-    return _walk(obj, leaf)
-
-
-def unpack(obj):
-    """The inverse of `pack` (the tensors share the arrays' memory)."""
-    return _walk(obj, lambda x: torch.from_numpy(x.a) if isinstance(x, _Array) else None)
+def dumps(obj, limit: Optional[int] = None) -> bytes:
+    """`obj` pickled for the channel (`pickle.loads` reads it); raises `Large` as soon as its
+    tensors pass `limit` bytes, before the rest is pickled."""
+    buf = io.BytesIO()
+    _Pickler(buf, limit).dump(obj)
+    return buf.getvalue()
 
 
 def _send(sock: socket.socket, lock: threading.Lock, seq: int, body: bytes) -> None:
@@ -118,9 +107,9 @@ def _read(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _receive(sock: socket.socket) -> tuple:
-    """(sequence number, unpickled body) of the next message."""
-    n, seq = _HEAD.unpack(_read(sock, _HEAD.size))
+def _receive(sock: socket.socket, head: Optional[bytes] = None) -> tuple:
+    """(sequence number, unpickled body) of the next message (`head`: its header, read)."""
+    n, seq = _HEAD.unpack(head if head is not None else _read(sock, _HEAD.size))
     if n > MAX_MESSAGE:
         raise EOFError(f"a message of {n} bytes: the stream is corrupt")
     return seq, pickle.loads(_read(sock, n))
@@ -186,15 +175,59 @@ def _accept(server: socket.socket) -> None:
                          name="psrpc-sidechannel-peer").start()
 
 
+class _Peer:
+    """A connection being served: whether its reader waits for a message with nothing left
+    queued (`idle`), or has read the stream's end (`ended`)."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.idle, self.ended = conn, True, threading.Event()
+
+    def settled(self) -> bool:
+        """Every message it brought is taken: the stream ended, or nothing is queued on it and
+        its reader waits for the next (a message's header read means idle no more)."""
+        if self.ended.is_set():
+            return True
+        if not self.idle:
+            return False
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(self.conn.fileno(), termios.FIONREAD,
+                                                    b"\0\0\0\0"))[0]
+        except OSError:  # (closed meanwhile)
+            return self.ended.is_set()
+        return queued == 0 and self.idle
+
+
+_feeding: dict[int, set] = {}  # object key -> the _Peers that brought it calls with no reply
+
+
+def settle(key: int, timeout_s: float = 30.0) -> None:
+    """Until every call with no reply (`SideChannel.send`) sent to object `key` here has been
+    taken by it: a promoted backup first reads what its dead primary left in the socket."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _served_lock:
+            peers = list(_feeding.get(key, ()))
+        if all(p.settled() for p in peers):
+            return
+        if time.monotonic() > deadline:
+            raise PsrpcError(f"side channel: the messages queued for object {key} were not "
+                             f"taken within {timeout_s:g} s")
+        time.sleep(0.001)
+
+
 def _serve(conn: socket.socket) -> None:
-    """One worker's messages, each call run as an RPC's (`comm._call_local`). A reply ready
+    """One peer's messages, each call run as an RPC's (`comm._call_local`). A reply ready
     in this thread (the round this push closed, an async apply) goes out from here; one
     completed by another thread (another worker's push closing the round) goes through this
-    connection's writer thread, so that thread never waits on this worker's socket."""
+    connection's writer thread, so that thread never waits on this worker's socket. A message
+    with no reply (sequence number 0, `SideChannel.send`) is run to its end before the next
+    is read (a receiver that falls behind fills the socket and slows its sender); a call of it
+    that fails closes the connection, so that its sender learns of it at its next send."""
     lock, me = threading.Lock(), threading.get_ident()
     replies: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_write, args=(conn, lock, replies), daemon=True,
                      name="psrpc-sidechannel-writer").start()
+    peer = _Peer(conn)
 
     def done(seq, collected, futures):
         if threading.get_ident() == me:
@@ -204,17 +237,31 @@ def _serve(conn: socket.socket) -> None:
 
     try:
         while True:
-            seq, calls = _receive(conn)
-            futures = [comm._call_local(key, method, unpack(args)) for key, method, args in calls]
+            peer.idle = True
+            head = _read(conn, _HEAD.size)
+            peer.idle = False
+            seq, calls = _receive(conn, head)
+            if seq == 0:
+                with _served_lock:
+                    for key, _, _ in calls:
+                        _feeding.setdefault(key, set()).add(peer)
+            futures = [comm._call_local(key, method, args) for key, method, args in calls]
+            if seq == 0:
+                for f in futures:
+                    f.wait()  # (raises the call's error: the connection closes)
+                continue
             torch.futures.collect_all(futures).then(
                 lambda f, seq=seq, futures=futures: done(seq, f, futures))
     except Exception as e:  # (the end of the stream, or one that makes no sense: close it)
         if not isinstance(e, EOFError) or "closed" not in str(e):
-            log.warning("side channel: a worker's connection ended: %s", first_line(e))
+            log.warning("side channel: a connection ended: %s", first_line(e))
     finally:
         replies.put(None)
+        peer.ended.set()
         with _served_lock:
             _served.discard(conn)
+            for peers in _feeding.values():
+                peers.discard(peer)
         close_socket(conn)
 
 
@@ -230,11 +277,11 @@ def _reply(conn: socket.socket, lock: threading.Lock, seq: int, collected: Futur
     (False, error)."""
     try:
         collected.wait()
-        out = (True, pack([f.value() for f in futures]))
+        out = (True, [f.value() for f in futures])
     except Exception as e:
         out = (False, _portable(e))
     try:
-        body = pickle.dumps(out, protocol=5)
+        body = dumps(out)
     except Exception as e:  # a result that does not pickle: say so, never leave it unanswered
         body = pickle.dumps((False, PsrpcError(f"a reply did not pickle: {first_line(e)}")))
     try:
@@ -278,11 +325,10 @@ class SideChannel:
         assert all(h.owner == self.owner for h, _, _ in calls), "one owner per message"
         fut: Future = Future()
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        size = [0]
-        packed = [(h.key, m, pack(a, size)) for h, m, a in calls]
-        if size[0] > LARGE:  # (not pickled first to find out: a large shard's update, tens of MB)
+        try:  # (a large shard's update, tens of MB: not pickled whole only to find out)
+            body = dumps([(h.key, m, a) for h, m, a in calls], LARGE)
+        except Large:
             return comm.invoke_many(calls, timeout)
-        body = pickle.dumps(packed, protocol=5)
         if len(body) > LARGE:
             return comm.invoke_many(calls, timeout)
         with self.lock:
@@ -300,6 +346,32 @@ class SideChannel:
             self._close(f"sending failed: {first_line(e)}")
         return fut
 
+    def send(self, calls: list, limit: Optional[int] = LARGE) -> bool:
+        """Calls `(handle, method, args)` with no reply: the PS runs them in order, answers
+        nothing, and closes the channel where one fails. Once this returns True the message is
+        in the PS's socket, which the kernel keeps for the PS even if this process dies at once
+        (`settle` there waits until it is taken). False: over `limit` bytes (the caller goes
+        over TensorPipe). Raises PsrpcError where the channel is closed or the send fails."""
+        assert all(h.owner == self.owner for h, _, _ in calls), "one owner per message"
+        try:
+            body = dumps([(h.key, m, a) for h, m, a in calls], limit)
+        except Large:
+            return False
+        if limit is not None and len(body) > limit:
+            return False
+        with self.lock:
+            closed = self.closed
+            self.messages += closed is None
+        if closed is not None:
+            raise PsrpcError(f"the side channel to {self.owner} is closed: {closed}")
+        try:
+            _send(self.sock, self.send_lock, 0, body)
+        except OSError as e:
+            self._close(f"sending failed: {first_line(e)}")
+            raise PsrpcError(f"the side channel to {self.owner}: sending failed: "
+                             f"{first_line(e)}") from None
+        return True
+
     def _read(self) -> None:
         why = "its reader stopped"
         try:
@@ -315,7 +387,7 @@ class SideChannel:
                 if fut is not None:  # (None: it timed out before)
                     ok, value = out
                     if ok:
-                        fut.set_result(unpack(value))
+                        fut.set_result(value)
                     else:
                         fut.set_exception(value)
                 self._expire()

@@ -5,14 +5,13 @@ shard, and the backup's `Backlog`."""
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict
 from typing import Optional
 
 import torch
 
-from psrpc.cluster import shm
+from psrpc.cluster import shm, sidechannel
 from psrpc.errors import PsrpcError
-from psrpc.ps.replicas import Journal, Update, digest_of, replayed
+from psrpc.ps.replicas import Journal, Update, backup_key, digest_of, replayed
 from psrpc.ps.snapshots import ShardSnapshots
 
 
@@ -94,6 +93,7 @@ class Replicated:
         """A digest of its state (what a checkpoint of it holds but the counters): a backup's
         equals its primary's."""
         if self.backlog is not None:
+            sidechannel.settle(backup_key(self.index))  # (updates still in its socket)
             self.backlog.drain()
         with self.lock:
             state = self._snapshot(self.version)
@@ -101,7 +101,11 @@ class Replicated:
         return digest_of(state)
 
     def stats_dict(self) -> dict:
-        return asdict(self.stats)
+        """A copy of the counters (scalars and two dicts of them: no deep copy needed)."""
+        out = dict(vars(self.stats))
+        out.update(per_worker_applied=dict(out["per_worker_applied"]),
+                   per_worker_stale=dict(out["per_worker_stale"]))
+        return out
 
     def replicate_to(self, backups: list[str], channels: Optional[dict] = None) -> None:
         """A primary: send every update from now on to the backups on these PS (through
@@ -142,6 +146,12 @@ class Replicated:
     def copies_values(self) -> bool:
         """Whether its backups copy what an update changed (else they replay the update)."""
         return self.params.numel() <= self.COPY_NUMEL
+
+    def sends_oneway(self) -> bool:
+        """Whether its updates go to a backup on this host through the side channel with no
+        reply (a small shard's values: under a megabyte), rather than over TensorPipe (a
+        large shard's gradients, tens of MB: TensorPipe copies them once, the socket thrice)."""
+        return self.copies_values()
 
     def load_values(self, op: tuple) -> None:
         """A backup: the values `replica_ops` sent."""
@@ -255,6 +265,9 @@ class ReplicatedRows:
 
     def copies_values(self) -> bool:
         return not self.dynamic
+
+    def sends_oneway(self) -> bool:
+        return True  # (a round's rows: the socket's, at any batch size)
 
     def load_values(self, op: tuple) -> None:
         """A backup: the rows `replica_ops` sent."""

@@ -6,7 +6,10 @@ each applied update (a sync round's averaged gradient, an async push as it was a
 passed without an update) to its backups, in its own order, not each worker's push; a backup
 applies the same optimizer step at the same version, so its state equals the primary's. A push
 is answered only once every live backup holds the update it brought (`Journal.gate`): whatever
-a worker has seen, a backup holds.
+a worker has seen, a backup holds. A backup on the primary's host holds it once it is in the
+backup's socket (the side channel's messages with no reply: the kernel keeps them for the
+backup when the primary dies, and a promotion reads them first); one elsewhere, once it
+acknowledged the update over TensorPipe.
 
 On the primary (`Journal`, under the shard's lock): `record` notes each optimizer step or
 counted step, `commit` sends the update when the version moves. On a backup's PS (`apply`,
@@ -124,10 +127,15 @@ class Journal:
         for ps in self.targets:
             token = self.tokens.get(ps, 0)
             channel = self.channels.get(ps) if ps in self.live else None
-            if channel is not None:  # a PS on this host: its Unix socket, not TensorPipe
-                fut = channel.invoke_many([(comm.Handle(ps, backup_key(shard.index)), "replay",
-                                            ([update],))], self.timeout_s)
-            elif ps in self.live:
+            if channel is not None and shard.sends_oneway():  # a PS on this host: its Unix
+                try:  # socket, and held there once sent (SideChannel.send): no reply
+                    channel.send([(comm.Handle(ps, backup_key(shard.index)), "replay",
+                                   ([update],))], limit=None)
+                except PsrpcError as e:
+                    self._answered(comm.failed(e), ps, token)
+                continue
+            if ps in self.live:  # (a large dense shard's too: TensorPipe's one copy beats
+                # the socket's for tens of MB)
                 fut = comm.call(ps, apply, (update,), timeout_s=self.timeout_s)
             else:  # a copy's reply is not waited for: TensorPipe would read the gradient
                 held = held or _cloned(update)  # after the worker wrote its next into it
@@ -166,9 +174,19 @@ class Journal:
             log.warning("%s: its backup on %s did not take an update (%s); going on without "
                         "it", self.shard.name, ps, first_line(e))
 
+    def acked(self) -> bool:
+        """Whether an update may wait for a backup's acknowledgement: one elsewhere, one being
+        copied (it may join before this round ends), or a shard whose updates are too large
+        for the socket. Else a backup holds an update once it is sent, before any reply."""
+        return bool(self.copying) or not self.shard.sends_oneway() or any(
+            ps not in self.channels for ps in self.live)
+
     def gate(self, future: torch.futures.Future) -> torch.futures.Future:
         """The Future of a push's reply, completed once every live backup holds the version
         it carries."""
+        if not self.acked():
+            return future
+
         def replied(reply, out):
             with self.shard.lock:
                 ack = self._acks.get(getattr(reply, "version", None))
@@ -225,6 +243,7 @@ def local_backups() -> list[int]:
 def promote(index: int) -> int:
     """The primary of shard `index` is lost: this PS's backup becomes it (the plan's Handle
     points here from this epoch on). Returns its version."""
+    sidechannel.settle(backup_key(index))  # what the dead primary left in the socket
     with _LOCK:
         backup = comm.registered().pop(backup_key(index), None)
         if backup is None:
