@@ -124,6 +124,56 @@ def test_calls_in_flight_fail_at_once_when_the_ps_process_dies():
         server.wait()
 
 
+SENDER = """
+import os, sys, torch
+from psrpc.cluster import comm, sidechannel
+ch = sidechannel.SideChannel("ps-test", "\\0" + sys.argv[1], timeout_s=30)
+for i in range(20):
+    assert ch.send([(comm.Handle("ps-test", int(sys.argv[2])), "take", (i, torch.full((3,), i)))])
+os.kill(os.getpid(), 9)  # at once: most of them still wait in the receiver's socket
+"""
+
+
+class Log:
+    def __init__(self):
+        self.got = []
+
+    def take(self, i, t):
+        time.sleep(0.02)  # (slower than the sender: the socket holds the rest)
+        assert torch.equal(t, torch.full((3,), i))
+        self.got.append(i)
+
+
+def test_messages_with_no_reply_are_all_taken_when_their_sender_was_killed(served):
+    """What a primary sent its backup before SIGKILL is in the backup's socket: `settle` (a
+    promotion's first step) returns once every one of them was taken, in order."""
+    _, address = served
+    key, log = 987_002, Log()
+    comm.register(key, log)
+    try:
+        out = subprocess.run([sys.executable, "-c", SENDER, address[1:], str(key)],
+                             env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=60,
+                             capture_output=True, text=True)
+        assert out.returncode == -9, out.stderr
+        assert len(log.got) < 20  # (some still queued when the sender died)
+        sidechannel.settle(key, timeout_s=10)
+        assert log.got == list(range(20))
+    finally:
+        comm.registered().pop(key)
+
+
+def test_a_call_with_no_reply_that_fails_closes_the_channel_so_its_sender_learns(served):
+    handle, address = served
+    ch = sidechannel.SideChannel("ps-test", address, timeout_s=10)
+    assert ch.send([(handle, "fail", ())])
+    t0 = time.monotonic()
+    with pytest.raises(PsrpcError, match="side channel to ps-test"):
+        while time.monotonic() - t0 < 5:
+            ch.send([(handle, "push", (torch.ones(1), torch.ones(1, 2)))])
+            time.sleep(0.01)
+    ch.close()
+
+
 CLIENT = """
 import socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
