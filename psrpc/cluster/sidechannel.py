@@ -1,5 +1,6 @@
 """A side channel for a worker's per-step table pushes to a PS on its own host: one Unix socket
-per (worker, PS) pair instead of TensorPipe (`cluster.shm` auto or on).
+per (worker, PS) pair instead of TensorPipe (`cluster.shm` auto or on). A PS uses it the same
+way for its shards' updates to their backups on another PS of its host.
 
 A table push and its reply are a few tens of kilobytes. Over TensorPipe each wakes an event
 loop and hands over to the RPC thread pool and back, on both sides: on 2 cores with two workers
@@ -18,6 +19,11 @@ What it keeps of RPC's guarantees:
 - **Who may call**: the socket is in Linux's abstract namespace (no file to clean up, gone with
   the process), and the PS serves only connections from its own user id (SO_PEERCRED): a pickle
   is code, and TensorPipe's listener is the wider door (docs/security.md).
+
+A message may also carry calls with no reply (`SideChannel.send`, sequence number 0): a PS sends
+a shard's update to its backup on the same host that way (psrpc/ps/replicas.py). Once sent, it
+is in the receiver's socket, which the kernel keeps for the receiver even when the sender dies;
+`settle` waits until the receiver has taken everything queued for an object.
 
 Tensors cross as NumPy arrays inside the pickle (bfloat16 and CUDA ones as pickle does them).
 A message over 1 MB goes over TensorPipe (its cross-memory reads beat two socket copies there,

@@ -16,10 +16,11 @@ from psrpc.ps.snapshots import ShardSnapshots
 
 
 class Backlog:
-    """On a backup: its primary's updates, acknowledged as soon as they are held here (the
-    primary's reply then waits for a message, not for the backup's optimizer step) and applied
-    in their order by a thread of its own. At most WINDOW updates are held unapplied: past
-    that, an acknowledgement waits (a backup that falls behind slows its primary, not its
+    """On a backup: its primary's updates, taken as soon as they are held here (acknowledged,
+    over TensorPipe: the primary's reply then waits for a message, not for the backup's
+    optimizer step) and applied in their order by a thread of its own. At most WINDOW updates
+    are held unapplied: past that, `take`'s Future waits, and with it the acknowledgement or
+    the side channel's reader (a backup that falls behind slows its primary, not its
     memory)."""
 
     WINDOW = 4
