@@ -29,9 +29,13 @@ def main(argv: list[str]) -> None:
         base = statistics.median(runs[b.replicas[0]])
         for k in b.replicas:
             med = statistics.median(runs[k])
+            # each repeat's runs follow each other: their ratio sees the same machine
+            paired = statistics.median(a / x for a, x in zip(runs[b.replicas[0]], runs[k]))
             rows.append({"what": f"{workload}, ps_replicas={k}", "samples_per_s": round(med, 1),
-                         "step_time_vs_0": round(base / med, 3), "pause_s": None,
-                         "redone_steps": None, "backups_agree": None})
+                         "step_time_vs_0": round(base / med, 3),
+                         "paired_vs_0": round(paired, 3), "pause_s": None,
+                         "redone_steps": None, "backups_agree": None,
+                         "runs": " ".join(f"{x:.0f}" for x in runs[k])})
     for mode in b.kills:
         s = run_psrpc(["model=mlp", f"update={mode}", f"train.steps={b.kill_steps}",
                        "cluster.ps_replicas=1", "fault.crash_role=ps", "fault.crash_index=1",
@@ -39,18 +43,21 @@ def main(argv: list[str]) -> None:
         (epoch,) = s["epochs"]
         rows.append({"what": f"mlp {mode}, ps1 killed at step {b.kill_at_step}",
                      "samples_per_s": round(s["samples_per_s"], 1), "step_time_vs_0": None,
+                     "paired_vs_0": None, "runs": None,
                      "pause_s": epoch["pause_s"],
                      "redone_steps": 0 if epoch["rolled_back_to"] is None
                      else epoch["at_step"] - epoch["rolled_back_to"],
                      "backups_agree": s["replicas"]["agree"]})
         print(rows[-1], flush=True)
     write_results(ROOT / b.out, meta, rows,
-                  ["what", "samples_per_s", "step_time_vs_0", "pause_s", "redone_steps",
-                   "backups_agree"],
+                  ["what", "samples_per_s", "step_time_vs_0", "paired_vs_0", "pause_s",
+                   "redone_steps", "backups_agree", "runs"],
                   f"Shard replicas: cost and failover ({b.num_ps} PS, {b.workers} workers, "
                   "one host)", plot,
                   notes=f"samples_per_s: median of {b.repeats} interleaved runs; step_time_vs_0: "
-                        "the step time against ps_replicas=0 (1.0 = free).")
+                        "the step time against ps_replicas=0 (1.0 = free), from the medians; "
+                        "paired_vs_0: the median of each repeat's ratio (its two runs one "
+                        "after the other); runs: samples/s of each run, in order.")
 
 
 def plot(plt, rows):
