@@ -156,7 +156,7 @@ def test_messages_with_no_reply_are_all_taken_when_their_sender_was_killed(serve
                              capture_output=True, text=True)
         assert out.returncode == -9, out.stderr
         assert len(log.got) < 20  # (some still queued when the sender died)
-        sidechannel.settle(key, timeout_s=10)
+        sidechannel.settle(timeout_s=10)
         assert log.got == list(range(20))
     finally:
         comm.registered().pop(key)

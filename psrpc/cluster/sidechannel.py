@@ -23,7 +23,7 @@ What it keeps of RPC's guarantees:
 A message may also carry calls with no reply (`SideChannel.send`, sequence number 0): a PS sends
 a shard's update to its backup on the same host that way (psrpc/ps/replicas.py). Once sent, it
 is in the receiver's socket, which the kernel keeps for the receiver even when the sender dies;
-`settle` waits until the receiver has taken everything queued for an object.
+`settle` waits until the receiver has taken everything queued there.
 
 Tensors cross as NumPy arrays inside the pickle (bfloat16 and CUDA ones as pickle does them).
 A message over 1 MB goes over TensorPipe (its cross-memory reads beat two socket copies there,
@@ -142,7 +142,7 @@ def listen() -> tuple[str, str]:
     return _address, host_id()
 
 
-_served: set[socket.socket] = set()  # the PS's connections to workers, open now
+_served: dict = {}  # the PS's connections (to workers, to other PS) open now -> their _Peer
 _served_lock = threading.Lock()
 
 
@@ -176,7 +176,7 @@ def _accept(server: socket.socket) -> None:
             conn.close()
             continue
         with _served_lock:
-            _served.add(conn)
+            _served[conn] = _Peer(conn)
         threading.Thread(target=_serve, args=(conn,), daemon=True,
                          name="psrpc-sidechannel-peer").start()
 
@@ -203,21 +203,20 @@ class _Peer:
         return queued == 0 and self.idle
 
 
-_feeding: dict[int, set] = {}  # object key -> the _Peers that brought it calls with no reply
-
-
-def settle(key: int, timeout_s: float = 30.0) -> None:
-    """Until every call with no reply (`SideChannel.send`) sent to object `key` here has been
-    taken by it: a promoted backup first reads what its dead primary left in the socket."""
+def settle(timeout_s: float = 30.0) -> None:
+    """Until every message with no reply (`SideChannel.send`) queued here has been taken: each
+    connection's stream ended, or nothing is queued on it and its reader waits for the next. A
+    promoted backup first reads what its dead primary left in the socket (every connection, not
+    only the ones that brought it messages before: the first one may still be queued)."""
     deadline = time.monotonic() + timeout_s
     while True:
         with _served_lock:
-            peers = list(_feeding.get(key, ()))
+            peers = list(_served.values())
         if all(p.settled() for p in peers):
             return
         if time.monotonic() > deadline:
-            raise PsrpcError(f"side channel: the messages queued for object {key} were not "
-                             f"taken within {timeout_s:g} s")
+            raise PsrpcError(f"side channel: the messages queued here were not all taken "
+                             f"within {timeout_s:g} s")
         time.sleep(0.001)
 
 
@@ -233,7 +232,8 @@ def _serve(conn: socket.socket) -> None:
     replies: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_write, args=(conn, lock, replies), daemon=True,
                      name="psrpc-sidechannel-writer").start()
-    peer = _Peer(conn)
+    with _served_lock:
+        peer = _served.get(conn) or _Peer(conn)
 
     def done(seq, collected, futures):
         if threading.get_ident() == me:
@@ -247,10 +247,6 @@ def _serve(conn: socket.socket) -> None:
             head = _read(conn, _HEAD.size)
             peer.idle = False
             seq, calls = _receive(conn, head)
-            if seq == 0:
-                with _served_lock:
-                    for key, _, _ in calls:
-                        _feeding.setdefault(key, set()).add(peer)
             futures = [comm._call_local(key, method, args) for key, method, args in calls]
             if seq == 0:
                 for f in futures:
@@ -265,9 +261,7 @@ def _serve(conn: socket.socket) -> None:
         replies.put(None)
         peer.ended.set()
         with _served_lock:
-            _served.discard(conn)
-            for peers in _feeding.values():
-                peers.discard(peer)
+            _served.pop(conn, None)
         close_socket(conn)
 
 

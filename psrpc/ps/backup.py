@@ -11,7 +11,7 @@ import torch
 
 from psrpc.cluster import shm, sidechannel
 from psrpc.errors import PsrpcError
-from psrpc.ps.replicas import Journal, Update, backup_key, digest_of, replayed
+from psrpc.ps.replicas import Journal, Update, digest_of, replayed
 from psrpc.ps.snapshots import ShardSnapshots
 
 
@@ -94,7 +94,7 @@ class Replicated:
         """A digest of its state (what a checkpoint of it holds but the counters): a backup's
         equals its primary's."""
         if self.backlog is not None:
-            sidechannel.settle(backup_key(self.index))  # (updates still in its socket)
+            sidechannel.settle()  # (updates still in its socket)
             self.backlog.drain()
         with self.lock:
             state = self._snapshot(self.version)

@@ -243,7 +243,7 @@ def local_backups() -> list[int]:
 def promote(index: int) -> int:
     """The primary of shard `index` is lost: this PS's backup becomes it (the plan's Handle
     points here from this epoch on). Returns its version."""
-    sidechannel.settle(backup_key(index))  # what the dead primary left in the socket
+    sidechannel.settle()  # what the dead primary left in the socket
     with _LOCK:
         backup = comm.registered().pop(backup_key(index), None)
         if backup is None:
