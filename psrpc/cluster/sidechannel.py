@@ -33,7 +33,6 @@ benchmarks.doorbell), as does every push where the socket cannot be reached (ano
 from __future__ import annotations
 
 import fcntl
-import io
 import logging
 import os
 import pickle
@@ -51,74 +50,13 @@ import torch
 from torch.futures import Future
 
 from psrpc.cluster import comm
+from psrpc.cluster.frames import HEAD, Large, dumps, read_exact, receive, send
 from psrpc.cluster.shm import close_socket, host_id, peer_uid
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
-_HEAD = struct.Struct("<QQ")  # a message: its pickle's length and its sequence number, then it
 LARGE = 1 << 20  # bytes: a message past this goes over TensorPipe (see SideChannel.invoke_many)
-MAX_MESSAGE = 1 << 31  # a length past this is a corrupt stream, not a message
 POLL_S = 0.5  # how often a worker's reader looks for calls past their deadline
-
-
-def _tensor(a) -> torch.Tensor:
-    return torch.from_numpy(a)
-
-
-class Large(Exception):
-    """A message whose tensors pass the limit `dumps` was given (their bytes so far: args[0])."""
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles every CPU tensor as a NumPy array inside the message's own bytes (unpickled, a
-    tensor sharing the array's memory); others (bfloat16, CUDA, needing grad) as pickle does
-    them. The tensors' bytes are counted as they come: past `limit`, `Large` stops it."""
-
-    def __init__(self, file, limit: Optional[int]):
-        super().__init__(file, protocol=5)
-        self.limit, self.tensor_bytes = limit, 0
-
-    def reducer_override(self, obj):  # (never called for plain ints, floats, lists, dicts...)
-        if not isinstance(obj, torch.Tensor):
-            return NotImplemented
-        self.tensor_bytes += obj.numel() * obj.element_size()
-        if self.limit is not None and self.tensor_bytes > self.limit:
-            raise Large(self.tensor_bytes)
-        if obj.device.type == "cpu" and obj.dtype != torch.bfloat16 and not obj.requires_grad:
-            return _tensor, (obj.numpy(),)
-        return NotImplemented
-
-
-def dumps(obj, limit: Optional[int] = None) -> bytes:
-    """`obj` pickled for the channel (`pickle.loads` reads it); raises `Large` as soon as its
-    tensors pass `limit` bytes, before the rest is pickled."""
-    buf = io.BytesIO()
-    _Pickler(buf, limit).dump(obj)
-    return buf.getvalue()
-
-
-def _send(sock: socket.socket, lock: threading.Lock, seq: int, body: bytes) -> None:
-    with lock:
-        sock.sendall(_HEAD.pack(len(body), seq) + body)
-
-
-def _read(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise EOFError("the peer closed the channel")
-        got += k
-    return buf
-
-
-def _receive(sock: socket.socket, head: Optional[bytes] = None) -> tuple:
-    """(sequence number, unpickled body) of the next message (`head`: its header, read)."""
-    n, seq = _HEAD.unpack(head if head is not None else _read(sock, _HEAD.size))
-    if n > MAX_MESSAGE:
-        raise EOFError(f"a message of {n} bytes: the stream is corrupt")
-    return seq, pickle.loads(_read(sock, n))
 
 
 # -- the PS's side -------------------------------------------------------------------------------
@@ -182,8 +120,7 @@ def _accept(server: socket.socket) -> None:
 
 
 class _Peer:
-    """A connection being served: whether its reader waits for a message with nothing left
-    queued (`idle`), or has read the stream's end (`ended`)."""
+    """A connection served: its reader waits with nothing queued (`idle`), or the stream ended."""
 
     def __init__(self, conn: socket.socket):
         self.conn, self.idle, self.ended = conn, True, threading.Event()
@@ -244,9 +181,9 @@ def _serve(conn: socket.socket) -> None:
     try:
         while True:
             peer.idle = True
-            head = _read(conn, _HEAD.size)
+            head = read_exact(conn, HEAD.size)
             peer.idle = False
-            seq, calls = _receive(conn, head)
+            seq, calls = receive(conn, head)
             futures = [comm._call_local(key, method, args) for key, method, args in calls]
             if seq == 0:
                 for f in futures:
@@ -285,7 +222,7 @@ def _reply(conn: socket.socket, lock: threading.Lock, seq: int, collected: Futur
     except Exception as e:  # a result that does not pickle: say so, never leave it unanswered
         body = pickle.dumps((False, PsrpcError(f"a reply did not pickle: {first_line(e)}")))
     try:
-        _send(conn, lock, seq, body)
+        send(conn, lock, seq, body)
     except OSError:
         pass  # the worker is gone (its reader saw the end) or the connection was shut
 
@@ -341,7 +278,7 @@ class SideChannel:
             seq = self.seq
             self.pending[seq] = (fut, time.monotonic() + timeout, timeout)
         try:
-            _send(self.sock, self.send_lock, seq, body)
+            send(self.sock, self.send_lock, seq, body)
         except OSError as e:
             self._close(f"sending failed: {first_line(e)}")
         return fut
@@ -365,7 +302,7 @@ class SideChannel:
         if closed is not None:
             raise PsrpcError(f"the side channel to {self.owner} is closed: {closed}")
         try:
-            _send(self.sock, self.send_lock, 0, body)
+            send(self.sock, self.send_lock, 0, body)
         except OSError as e:
             self._close(f"sending failed: {first_line(e)}")
             raise PsrpcError(f"the side channel to {self.owner}: sending failed: "
@@ -381,7 +318,7 @@ class SideChannel:
                 if not poller.poll(POLL_S * 1000):
                     self._expire()
                     continue
-                seq, out = _receive(self.sock)
+                seq, out = receive(self.sock)
                 with self.lock:
                     fut = self.pending.pop(seq, (None,))[0]
                 if fut is not None:  # (None: it timed out before)
