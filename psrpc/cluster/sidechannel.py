@@ -283,19 +283,14 @@ class SideChannel:
             self._close(f"sending failed: {first_line(e)}")
         return fut
 
-    def send(self, calls: list, limit: Optional[int] = LARGE) -> bool:
-        """Calls `(handle, method, args)` with no reply: the PS runs them in order, answers
-        nothing, and closes the channel where one fails. Once this returns True the message is
-        in the PS's socket, which the kernel keeps for the PS even if this process dies at once
-        (`settle` there waits until it is taken). False: over `limit` bytes (the caller goes
-        over TensorPipe). Raises PsrpcError where the channel is closed or the send fails."""
+    def send(self, calls: list) -> bool:
+        """Calls `(handle, method, args)` with no reply, at any size: the PS runs them in order,
+        answers nothing, and closes the channel where one fails. Once this returns (True) the
+        message is in the PS's socket, which the kernel keeps for the PS even if this process
+        dies at once (`settle` there waits until it is taken). Raises PsrpcError where the
+        channel is closed or the send fails."""
         assert all(h.owner == self.owner for h, _, _ in calls), "one owner per message"
-        try:
-            body = dumps([(h.key, m, a) for h, m, a in calls], limit)
-        except Large:
-            return False
-        if limit is not None and len(body) > limit:
-            return False
+        body = dumps([(h.key, m, a) for h, m, a in calls])
         with self.lock:
             closed = self.closed
             self.messages += closed is None

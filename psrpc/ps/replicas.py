@@ -130,7 +130,7 @@ class Journal:
             if channel is not None and shard.sends_oneway():  # a PS on this host: its Unix
                 try:  # socket, and held there once sent (SideChannel.send): no reply
                     channel.send([(comm.Handle(ps, backup_key(shard.index)), "replay",
-                                   ([update],))], limit=None)
+                                   ([update],))])
                 except PsrpcError as e:
                     self._answered(comm.failed(e), ps, token)
                 continue
