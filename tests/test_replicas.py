@@ -55,6 +55,8 @@ def test_sync_a_killed_ps_fails_over_and_equals_an_uninterrupted_run(tmp_path, u
     epoch = _failed_over(summary, f"ps{ps}")
     assert epoch["at_step"] in (step - 1, step)  # the step the shards had reached
     assert_equal_model(state, uninterrupted[1])
+    if shm == "off":  # no shared memory: the gradients went over TensorPipe
+        assert all(s["replicated_in_rings"] == 0 for s in summary["shards"])
     # every shard has a backup again: on the PS that came back
     assert all(c["backups"] for c in summary["replicas"]["copies"].values())
 
@@ -67,8 +69,10 @@ def test_a_backup_equals_its_primary_and_costs_no_result(tmp_path, uninterrupted
     assert replicas["agree"]
     assert all(c["primary"] != b for c in replicas["copies"].values() for b in c["backups"])
     assert all(s["replicated"] == 60 and s["backups"] for s in summary["shards"])
-    # the MLP's shards are large: their backups run the same optimizer steps
+    # the MLP's shards are large: their backups run the same optimizer steps, each gradient
+    # left in shared memory (a ring) for the backup on this host
     assert {s["replicated_as"] for s in summary["shards"]} == {"updates"}
+    assert all(s["replicated_in_rings"] == 60 for s in summary["shards"]), summary["shards"]
     assert_equal_model(state, uninterrupted[1])
 
 
@@ -184,3 +188,36 @@ def test_backups_go_to_other_hosts_first_then_the_next_ps():
 def test_bad_replica_configs_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose(overrides)
+
+
+def test_a_ring_slot_is_written_again_only_once_the_backup_applied_it():
+    """A large shard's gradient to a backup on its host (psrpc/ps/ring.py): the backup reads
+    what the primary wrote; with every slot still to be applied the gradient goes in the
+    message instead (None) and nothing the backup has yet to read is overwritten; the run's
+    clean-up removes the ring."""
+    from psrpc.cluster import shm
+    from psrpc.ps import ring
+
+    run = shm.new_run()
+    try:
+        r = ring.Ring(run, 3, 5)
+        ops = [("count",), ("step", torch.full((5,), 1.0), 1.0)]
+        first = ring.ringed(r, 1, ops)
+        assert first[0] == ("count",) and isinstance(first[1][1], ring.InRing)
+        assert torch.equal(ring.read(first[1][1]), torch.full((5,), 1.0))  # (the backup)
+        second = ring.ringed(r, 2, [("step", torch.full((5,), 2.0), 1.0)])
+        assert isinstance(second[0][1], ring.InRing)
+        third = [("step", torch.full((5,), 3.0), 1.0)]
+        assert ring.ringed(r, 3, third) is third  # slot of update 1: not applied yet
+        assert torch.equal(ring.read(first[1][1]), torch.full((5,), 1.0))
+        ring.applied(first, 1)
+        again = ring.ringed(r, 3, third)
+        assert again[0][1].slot == first[1][1].slot
+        assert torch.equal(ring.read(again[0][1]), torch.full((5,), 3.0))
+        half = [("step", torch.ones(5, dtype=torch.bfloat16), 1.0)]
+        assert ring.ringed(r, 4, half) is half  # not float32: in the message
+        assert (shm.directory() / r.name).exists()
+    finally:
+        shm.remove(run)
+    assert not (shm.directory() / r.name).exists()
+    ring.forget(3)

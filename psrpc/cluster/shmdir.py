@@ -40,7 +40,8 @@ RUN = r"\d+x[0-9a-f]{6}"  # shm.new_run's names
 _RUN_RE = re.compile(RUN)
 WHO = r"launcher|ps\d+|worker\d+"  # who holds a lock: the local launcher, a PS, a worker
 _LOCK_RE = re.compile(rf"psrpc-(?P<run>{RUN})-(?:{WHO})\.lock")
-_FILE_RE = re.compile(rf"psrpc-(?P<run>{RUN})-(?:s\d+-(?:params|g\d+)|(?:{WHO})\.lock)")
+_FILE_RE = re.compile(  # a shard's master copy, a worker's gradient slot, a ring to a backup
+    rf"psrpc-(?P<run>{RUN})-(?:s\d+-(?:params|g\d+|ring[0-9a-f]{{8}})|(?:{WHO})\.lock)")
 _HELD: dict[str, int] = {}  # lock file name -> the descriptor that holds its lock
 
 

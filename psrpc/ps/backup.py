@@ -11,6 +11,7 @@ import torch
 
 from psrpc.cluster import shm, sidechannel
 from psrpc.errors import PsrpcError
+from psrpc.ps import ring
 from psrpc.ps.replicas import Journal, Update, digest_of, replayed
 from psrpc.ps.snapshots import ShardSnapshots
 
@@ -150,9 +151,14 @@ class Replicated:
 
     def sends_oneway(self) -> bool:
         """Whether its updates go to a backup on this host through the side channel with no
-        reply (a small shard's values: under a megabyte), rather than over TensorPipe (a
-        large shard's gradients, tens of MB: TensorPipe copies them once, the socket thrice)."""
-        return self.copies_values()
+        reply: a small shard's values (under a megabyte), or a large one's gradients where it
+        shares memory with workers (the gradient in a ring, psrpc/ps/ring.py). Else over
+        TensorPipe (tens of MB: TensorPipe copies them once, the socket thrice)."""
+        return self.copies_values() or self.ring_run() is not None
+
+    def ring_run(self) -> Optional[str]:
+        """The run whose shared memory a ring to a backup here would be made in, if any."""
+        return self.spec.shm[1] if self.spec.shm is not None else None
 
     def load_values(self, op: tuple) -> None:
         """A backup: the values `replica_ops` sent."""
@@ -173,7 +179,8 @@ class Replicated:
         with self.lock:
             for op in u.ops:
                 if op[0] == "step":
-                    self.step_optimizer(op[1], op[2])
+                    self.step_optimizer(ring.read(op[1]) if isinstance(op[1], ring.InRing)
+                                        else op[1], op[2])
                 elif op[0] == "count":
                     self.count_step()
                 else:
@@ -182,6 +189,7 @@ class Replicated:
             self.stats = type(self.stats)(**u.stats)
             self.losses.clear()
             self.losses.extend(u.losses)
+        ring.applied(u.ops, u.seq)
 
     def load_state(self, state: dict, seq: int) -> None:
         """A backup built from a copy of its primary (`_snapshot`'s form) after update `seq`."""
@@ -231,6 +239,7 @@ class Replicated:
         checkpoints and, once the chief names them, replicates to new backups."""
         self.backlog.drain()
         self.backlog.close()
+        ring.forget(self.index)
         with self.lock:
             self.backup, self.name = False, name
             self.snapshots = ShardSnapshots(name, self.spec.checkpoint_dir,
@@ -269,6 +278,9 @@ class ReplicatedRows:
 
     def sends_oneway(self) -> bool:
         return True  # (a round's rows: the socket's, at any batch size)
+
+    def ring_run(self) -> Optional[str]:
+        return None
 
     def load_values(self, op: tuple) -> None:
         """A backup: the rows `replica_ops` sent."""

@@ -28,13 +28,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
 from psrpc.cluster import comm, sidechannel
 from psrpc.errors import PsrpcError, first_line
+from psrpc.ps.ring import Ring, ringed
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class Journal:
         self._acks: dict[int, torch.futures.Future] = {}  # version -> all live backups have it
         self.seq = 0  # updates sent (a backup built from a copy starts at the copy's)
         self.channels: dict = {}  # PS name -> side channel (psrpc/cluster/sidechannel.py)
+        self.rings: dict[str, Optional[Ring]] = {}  # PS name -> ring (psrpc/ps/ring.py)
+        self.in_rings = 0  # updates whose gradient went through a ring
         self.tokens: dict[str, int] = {}  # PS name -> which backup there (see `name`)
         self.dropped: set[str] = set()  # PS whose backup missed an update: only a new copy
         # there is one again (it would wait for that update for ever)
@@ -128,14 +131,19 @@ class Journal:
             token = self.tokens.get(ps, 0)
             channel = self.channels.get(ps) if ps in self.live else None
             if channel is not None and shard.sends_oneway():  # a PS on this host: its Unix
-                try:  # socket, and held there once sent (SideChannel.send): no reply
+                # socket, and held there once sent (SideChannel.send): no reply. A large
+                # shard's gradient waits in a ring (psrpc/ps/ring.py), the message naming it.
+                try:
+                    sent = update if shard.copies_values() else replace(
+                        update, ops=ringed(self._ring(ps), update.seq, update.ops))
+                    self.in_rings += sent.ops is not update.ops
                     channel.send([(comm.Handle(ps, backup_key(shard.index)), "replay",
-                                   ([update],))])
+                                   ([sent],))])
                 except PsrpcError as e:
                     self._answered(comm.failed(e), ps, token)
                 continue
-            if ps in self.live:  # (a large dense shard's too: TensorPipe's one copy beats
-                # the socket's for tens of MB)
+            if ps in self.live:  # (a large dense shard's too, where it has no ring: TensorPipe's
+                # one copy beats the socket's for tens of MB)
                 fut = comm.call(ps, apply, (update,), timeout_s=self.timeout_s)
             else:  # a copy's reply is not waited for: TensorPipe would read the gradient
                 held = held or _cloned(update)  # after the worker wrote its next into it
@@ -150,8 +158,28 @@ class Journal:
 
     def name(self, ps: str) -> None:
         """`ps` holds a new backup from now on (a copy, a new epoch's): an error of an update
-        sent to the one before does not give this one up."""
+        sent to the one before does not give this one up, and it gets a ring of its own."""
         self.tokens[ps] = self.tokens.get(ps, 0) + 1
+        self._drop_ring(ps)
+
+    def _ring(self, ps: str) -> Optional[Ring]:
+        """The ring to the backup on `ps` (this host), made on first use; None where the shard
+        has none (its gradients then go in the messages)."""
+        if ps not in self.rings:
+            run = self.shard.ring_run()
+            try:
+                self.rings[ps] = None if run is None else Ring(run, self.shard.index,
+                                                               self.shard.params.numel())
+            except (PsrpcError, OSError) as e:
+                log.warning("%s: no shared memory for its updates to %s (%s); they go through "
+                            "the side channel's socket", self.shard.name, ps, first_line(e))
+                self.rings[ps] = None
+        return self.rings[ps]
+
+    def _drop_ring(self, ps: str) -> None:
+        ring = self.rings.pop(ps, None)
+        if ring is not None:
+            ring.close()
 
     def _answered(self, fut: torch.futures.Future, ps: str, token: int) -> None:
         try:
@@ -170,6 +198,7 @@ class Journal:
                     names.remove(ps)
             self.dropped.add(ps)
             self.channels.pop(ps, None)
+            self._drop_ring(ps)
         if gone:
             log.warning("%s: its backup on %s did not take an update (%s); going on without "
                         "it", self.shard.name, ps, first_line(e))
@@ -198,7 +227,7 @@ class Journal:
 
     def report(self) -> dict:
         return {"backups": list(self.live), "backups_copying": list(self.copying),
-                "replicated": self.seq,
+                "replicated": self.seq, "replicated_in_rings": self.in_rings,
                 "replicated_as": "values" if self.shard.copies_values() else "updates"}
 
 

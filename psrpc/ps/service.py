@@ -14,7 +14,7 @@ from typing import Optional
 from psrpc.cluster import comm, shm
 from psrpc.errors import PsrpcError, first_line
 from psrpc.faults import NoFaults
-from psrpc.ps import replicas
+from psrpc.ps import replicas, ring
 from psrpc.ps.shard import Shard, ShardSpec
 from psrpc.ps.tables import TableShard, TableShardSpec
 
@@ -92,6 +92,7 @@ def remove_segments() -> None:
     for name in _SEGMENTS:
         shm.unlink(name)
     _SEGMENTS.clear()
+    ring.remove_made()
     shm.release(remove_files=True)
 
 
