@@ -13,7 +13,9 @@ the reply (it waits for the round). Parameters come back without a copy in sync 
 every worker in the round: the worker's parameters are views into the master copy, which no
 update touches before every worker of the round has pushed again (after its backward has used
 them). With backup workers or async updates the master copy can change while a worker computes,
-so its parameters come in the reply, a snapshot, as over TCP.
+so its parameters come in the reply, a snapshot, as over TCP. With cluster.ps_replicas a
+primary also makes a ring (`<run>-s<g>-ring<random>`) for each backup on its host, where a large
+shard's averaged gradient waits for the backup (psrpc/ps/ring.py).
 
 The segments are files in this user's private directory, /dev/shm/psrpc-<uid> (mode 0700,
 psrpc/cluster/shmdir.py), named after the run (`psrpc-<run>-...`), created by the PS that holds

@@ -205,8 +205,9 @@ class Journal:
 
     def acked(self) -> bool:
         """Whether an update may wait for a backup's acknowledgement: one elsewhere, one being
-        copied (it may join before this round ends), or a shard whose updates are too large
-        for the socket. Else a backup holds an update once it is sent, before any reply."""
+        copied (it may join before this round ends), or a large shard with no ring (its
+        gradients go over TensorPipe). Else a backup holds an update once it is sent, before
+        any reply."""
         return bool(self.copying) or not self.shard.sends_oneway() or any(
             ps not in self.channels for ps in self.live)
 
