@@ -91,6 +91,20 @@ def test_tables_fail_over_in_sync_bit_for_bit(tmp_path):
     assert_equal_model(load_tables(tmp_path / "killed"), load_tables(tmp_path / "plain"))
 
 
+def test_dense_allreduce_a_killed_clock_ps_fails_over_and_its_backups_agree(tmp_path):
+    """update.dense=allreduce with the hot-row cache (psrpc's best DLRM configuration): the PS
+    holds the tables and a clock shard with no parameters; ps0, the clock's, killed. It fails
+    over with nothing rolled back, every backup agrees with its primary (no optimizer state
+    made on one side only) and the run ends at its last step. The step the lost PS left
+    unanswered is not pushed again in this mode (a warning says so): the shards behind pass
+    it, so the result is not an uninterrupted run's."""
+    mode = CLICKS + ["update.dense=allreduce", "sparse.cache_rows=64", "sparse.cache_staleness=2",
+                     "cluster.num_ps=2", "cluster.num_workers=2", "train.steps=30"]
+    summary, _ = run_cluster(tmp_path / "killed", mode + REPLICAS + _crash(0, 12), fast=False)
+    _failed_over(summary, "ps0")
+    assert summary["steps"] == 30
+
+
 @pytest.mark.parametrize("extra", [
     ["sparse.dynamic=true", "sparse.admit_after=2", "sparse.evict=lfu", "sparse.max_rows=80"],
     ["sparse.cache_rows=64", "sparse.cache_staleness=2"],

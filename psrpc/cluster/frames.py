@@ -4,16 +4,22 @@ CPU tensor crosses as a NumPy array (`dumps`)."""
 
 from __future__ import annotations
 
+import fcntl
 import io
 import pickle
 import socket
 import struct
+import termios
 import threading
 from typing import Optional
 
 import torch
 
+from psrpc.errors import PsrpcError
+
 HEAD = struct.Struct("<QQ")  # a message: its pickle's length and its sequence number, then it
+ONEWAY, LAZY = 0, (1 << 64) - 1  # sequence numbers of messages with no reply (LAZY: it may
+# wait in the socket a while before it is read)
 MAX_MESSAGE = 1 << 31  # a length past this is a corrupt stream, not a message
 
 
@@ -75,3 +81,17 @@ def receive(sock: socket.socket, head: Optional[bytes] = None) -> tuple:
     if n > MAX_MESSAGE:
         raise EOFError(f"a message of {n} bytes: the stream is corrupt")
     return seq, pickle.loads(read_exact(sock, n))
+
+
+def queued(conn: socket.socket) -> int:
+    """Bytes waiting to be read on `conn`."""
+    return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def portable(e: BaseException) -> BaseException:
+    """`e` if it pickles and unpickles, else a PsrpcError with its message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return PsrpcError(f"{type(e).__name__}: {e}")

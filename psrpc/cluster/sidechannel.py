@@ -32,7 +32,6 @@ benchmarks.doorbell), as does every push where the socket cannot be reached (ano
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import pickle
@@ -40,8 +39,6 @@ import queue
 import secrets
 import select
 import socket
-import struct
-import termios
 import threading
 import time
 from typing import Optional
@@ -50,13 +47,16 @@ import torch
 from torch.futures import Future
 
 from psrpc.cluster import comm
-from psrpc.cluster.frames import HEAD, Large, dumps, read_exact, receive, send
+from psrpc.cluster.frames import (HEAD, LAZY, ONEWAY, Large, dumps, portable, queued, read_exact,
+                                  receive, send)
 from psrpc.cluster.shm import close_socket, host_id, peer_uid
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
 LARGE = 1 << 20  # bytes: a message past this goes over TensorPipe (see SideChannel.invoke_many)
 POLL_S = 0.5  # how often a worker's reader looks for calls past their deadline
+LAZY_S = 0.02  # how long a reader leaves lazy messages in its socket before it reads them
+SNDBUF = 4 << 20  # bytes a sender may queue (as far as net.core.wmem_max allows)
 
 
 # -- the PS's side -------------------------------------------------------------------------------
@@ -133,11 +133,11 @@ class _Peer:
         if not self.idle:
             return False
         try:
-            queued = struct.unpack("i", fcntl.ioctl(self.conn.fileno(), termios.FIONREAD,
-                                                    b"\0\0\0\0"))[0]
+            waiting = queued(self.conn)
         except OSError:  # (closed meanwhile)
             return self.ended.is_set()
-        return queued == 0 and self.idle
+        return waiting == 0 and self.idle
+
 
 
 def settle(timeout_s: float = 30.0) -> None:
@@ -185,9 +185,12 @@ def _serve(conn: socket.socket) -> None:
             peer.idle = False
             seq, calls = receive(conn, head)
             futures = [comm._call_local(key, method, args) for key, method, args in calls]
-            if seq == 0:
+            if seq in (ONEWAY, LAZY):
                 for f in futures:
                     f.wait()  # (raises the call's error: the connection closes)
+                if seq == LAZY and not queued(conn):
+                    peer.idle = True  # (settled meanwhile, unless something is queued)
+                    time.sleep(LAZY_S)  # the next ones are read together, no wake-up each
                 continue
             torch.futures.collect_all(futures).then(
                 lambda f, seq=seq, futures=futures: done(seq, f, futures))
@@ -216,7 +219,7 @@ def _reply(conn: socket.socket, lock: threading.Lock, seq: int, collected: Futur
         collected.wait()
         out = (True, [f.value() for f in futures])
     except Exception as e:
-        out = (False, _portable(e))
+        out = (False, portable(e))
     try:
         body = dumps(out)
     except Exception as e:  # a result that does not pickle: say so, never leave it unanswered
@@ -225,15 +228,6 @@ def _reply(conn: socket.socket, lock: threading.Lock, seq: int, collected: Futur
         send(conn, lock, seq, body)
     except OSError:
         pass  # the worker is gone (its reader saw the end) or the connection was shut
-
-
-def _portable(e: BaseException) -> BaseException:
-    """`e` if it pickles and unpickles, else a PsrpcError with its message."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:
-        return PsrpcError(f"{type(e).__name__}: {e}")
 
 
 # -- a worker's side -----------------------------------------------------------------------------
@@ -249,6 +243,8 @@ class SideChannel:
             self.sock.close()                       # public: whoever holds it now)
             raise ConnectionRefusedError(f"{address[1:]} is held by another user")
         self.sock.settimeout(timeout_s)  # a PS stopped mid-message ends a send or a read too
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # (lazy messages
+        # wait here while the PS reads others: a full buffer would make `send` wait)
         self.lock = threading.Lock()  # the state below (never held while the socket blocks)
         self.send_lock = threading.Lock()
         self.pending: dict[int, tuple[Future, float, float]] = {}  # seq -> (Future, deadline,
@@ -283,12 +279,14 @@ class SideChannel:
             self._close(f"sending failed: {first_line(e)}")
         return fut
 
-    def send(self, calls: list) -> bool:
+    def send(self, calls: list, lazy: bool = False) -> bool:
         """Calls `(handle, method, args)` with no reply, at any size: the PS runs them in order,
         answers nothing, and closes the channel where one fails. Once this returns (True) the
         message is in the PS's socket, which the kernel keeps for the PS even if this process
-        dies at once (`settle` there waits until it is taken). Raises PsrpcError where the
-        channel is closed or the send fails."""
+        dies at once (`settle` there waits until it is taken). `lazy`: the PS need not run
+        them at once; it reads such messages every LAZY_S, several at a time, rather than
+        waking for each (a message sent meanwhile, lazy or not, waits for that read). Raises
+        PsrpcError where the channel is closed or the send fails."""
         assert all(h.owner == self.owner for h, _, _ in calls), "one owner per message"
         body = dumps([(h.key, m, a) for h, m, a in calls])
         with self.lock:
@@ -297,7 +295,7 @@ class SideChannel:
         if closed is not None:
             raise PsrpcError(f"the side channel to {self.owner} is closed: {closed}")
         try:
-            send(self.sock, self.send_lock, 0, body)
+            send(self.sock, self.send_lock, LAZY if lazy else ONEWAY, body)
         except OSError as e:
             self._close(f"sending failed: {first_line(e)}")
             raise PsrpcError(f"the side channel to {self.owner}: sending failed: "

@@ -33,48 +33,67 @@ class Backlog:
         self._waiting: list[tuple[int, torch.futures.Future]] = []
         self._cv = threading.Condition()
         self._closed = False
+        self._busy = False  # a thread is applying updates
         self._thread: Optional[threading.Thread] = None
 
-    def take(self, updates: list) -> torch.futures.Future:
+    def take(self, updates: list, inline: bool = True) -> torch.futures.Future:
+        """Hold `updates`; `inline`: the next in order is applied in this thread where none is
+        applying (a side channel's reader, which runs a message to its end before reading on: no
+        thread woken per update). The Future completes once at most WINDOW are unapplied."""
         fut = torch.futures.Future()
         with self._cv:
             for u in updates:
                 if u.seq > self.applied:
                     self._held[u.seq] = u
+            inline = not self._busy and self.applied + 1 in self._held and inline
+            if inline:
+                self._busy = True
             due = max((u.seq for u in updates), default=0) - self.WINDOW
             if due > self.applied:
                 self._waiting.append((due, fut))
-            if self._thread is None:
+            if self._thread is None and not inline:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"psrpc-backup-{self.shard.index}")
                 self._thread.start()
             self._cv.notify_all()
+        if inline:
+            self._apply_held()
         if due <= self.applied:
             fut.set_result(True)
         return fut
 
-    def _run(self) -> None:
+    def _apply_held(self) -> None:
+        """Apply the updates held in order from the next (`_busy` set by the caller)."""
         while True:
             with self._cv:
-                while not self._closed and self.applied + 1 not in self._held:
-                    self._cv.wait()
-                if self._closed:
+                u = None if self._closed else self._held.pop(self.applied + 1, None)
+                if u is None:
+                    self._busy = False
+                    self._cv.notify_all()
                     return
-                u = self._held.pop(self.applied + 1)
             self.shard.apply_update(u)
             with self._cv:
                 self.applied = u.seq
                 ready = [f for t, f in self._waiting if t <= u.seq]
                 self._waiting = [(t, f) for t, f in self._waiting if t > u.seq]
-                self._cv.notify_all()
             for f in ready:
                 f.set_result(True)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (self._busy or self.applied + 1 not in self._held):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._busy = True
+            self._apply_held()
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Until every update held in order is applied (a promotion, a digest)."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self.applied + 1 not in self._held or self._closed,
-                                     timeout_s):
+            if not self._cv.wait_for(lambda: self._closed or (
+                    not self._busy and self.applied + 1 not in self._held), timeout_s):
                 raise PsrpcError(f"{self.shard.name}: its backup did not apply the updates it "
                                  f"holds within {timeout_s:g} s")
 
@@ -127,9 +146,10 @@ class Replicated:
             self.journal = Journal(self, [], float(self.spec.update.timeout_s) + 60.0)
         return self.journal
 
-    def replay(self, updates: list) -> torch.futures.Future:
-        """A backup: its primary's updates, acknowledged once held here (Backlog)."""
-        return self.backlog.take(updates)
+    def replay(self, updates: list, inline: bool = True) -> torch.futures.Future:
+        """A backup: its primary's updates, acknowledged once held here (Backlog). Over
+        TensorPipe (`inline` False) the acknowledgement does not wait for the optimizer step."""
+        return self.backlog.take(updates, inline)
 
     COPY_NUMEL = 1 << 16  # a dense shard up to this size sends its values (`replica_ops`)
 
@@ -165,6 +185,8 @@ class Replicated:
         _, params, state = op
         with shm.writing(self.seq):
             self.params.copy_(params)
+        if not state:  # (no step yet, or no parameters: the clock shard of update.dense=
+            return  # allreduce; an entry made here would differ from the primary's state)
         mine = self.optimizer.state[self.params]
         for k, v in state.items():
             held = mine.get(k)
@@ -263,15 +285,30 @@ class ReplicatedRows:
             if op[0] == "step":
                 for name, item in op[1].items():
                     touched.setdefault(name, []).append(item[0])
-        tables = {}
+        rows, copied = {}, []  # copied: (table, state name or None for the weight, tensor)
         for name, opt in self.row_optim.items():
             parts = touched.get(name) or [torch.empty(0, dtype=torch.int64)]
             # one step's rows are unique and ascending already; several steps' need merging
-            rows = parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
-            tables[name] = (rows, self.weights[name].index_select(0, rows),
-                            {k: getattr(opt, k).index_select(0, rows) for k in opt.per_row_state},
-                            {k: getattr(opt, k) for k in opt.scalar_state})
-        return [("rows", tables)]
+            rows[name] = parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
+            copied += [(name, None, self.weights[name])] + [
+                (name, k, getattr(opt, k)) for k in opt.per_row_state]
+        # Packed: the rows' values in one tensor per dtype, whatever the tables and states (a
+        # message's cost is mostly per tensor pickled, not per byte)
+        sizes: dict = {}
+        for name, _, t in copied:
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + rows[name].numel() * t[0:1].numel()
+        packed = {dt: torch.empty(n, dtype=dt) for dt, n in sizes.items()}
+        layout, at = [], dict.fromkeys(sizes, 0)
+        for name, key, t in copied:
+            shape = (rows[name].numel(),) + tuple(t.shape[1:])
+            n = rows[name].numel() * t[0:1].numel()
+            torch.index_select(t, 0, rows[name], out=packed[t.dtype][at[t.dtype]:][:n].view(shape))
+            layout.append((name, key, t.dtype, at[t.dtype], shape))
+            at[t.dtype] += n
+        scalars = {name: {k: getattr(opt, k) for k in opt.scalar_state}
+                   for name, opt in self.row_optim.items()}
+        return [("rows", list(rows), [r.numel() for r in rows.values()],
+                 torch.cat(list(rows.values())), packed, layout, scalars)]
 
     def copies_values(self) -> bool:
         return not self.dynamic
@@ -284,10 +321,12 @@ class ReplicatedRows:
 
     def load_values(self, op: tuple) -> None:
         """A backup: the rows `replica_ops` sent."""
-        for name, (rows, weight, per_row, scalars) in op[1].items():
-            opt = self.row_optim[name]
-            self.weights[name].index_copy_(0, rows, weight)
-            for k, v in per_row.items():
-                getattr(opt, k).index_copy_(0, rows, v)
-            for k, v in scalars.items():
-                setattr(opt, k, v)
+        _, names, counts, ids, packed, layout, scalars = op
+        rows = dict(zip(names, ids.split(counts)))
+        for name, key, dtype, at, shape in layout:
+            into = self.weights[name] if key is None else getattr(self.row_optim[name], key)
+            n = shape[0] * into[0:1].numel()
+            into.index_copy_(0, rows[name], packed[dtype][at:at + n].view(shape))
+        for name, values in scalars.items():
+            for k, v in values.items():
+                setattr(self.row_optim[name], k, v)

@@ -138,7 +138,7 @@ class Journal:
                         update, ops=ringed(self._ring(ps), update.seq, update.ops))
                     self.in_rings += sent.ops is not update.ops
                     channel.send([(comm.Handle(ps, backup_key(shard.index)), "replay",
-                                   ([sent],))])
+                                   ([sent],))], lazy=shard.copies_values())
                 except PsrpcError as e:
                     self._answered(comm.failed(e), ps, token)
                 continue
@@ -250,7 +250,7 @@ def apply(update: Update, copying: bool = False) -> torch.futures.Future:
             fut = torch.futures.Future()
             _EARLY.setdefault(update.index, {})[update.seq] = (update, fut)
             return fut
-    return backup.replay([update])
+    return backup.replay([update], inline=False)
 
 
 def register_backup(backup) -> None:

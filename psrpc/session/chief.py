@@ -142,9 +142,15 @@ class Chief:
         if found | {f["shard"] for f in failovers} == {h.key for h in shards}:  # line them up
             if self.cfg.cluster.ps_replicas:  # no update goes to a copy now gone
                 failover.name_backups(self.cfg, self.topo, self.plan)
-            replay = bool(failovers) and self.cfg.update.name == "sync"
+            replay = bool(failovers) and self.cfg.update.name == "sync" \
+                and self.cfg.update.dense != "allreduce"
             versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay) for r in shards])
             target = max(versions)
+            if failovers and not replay and len(set(versions)) > 1 and \
+                    self.cfg.update.name == "sync":  # (update.dense=allreduce: not replayed)
+                log.warning("update.dense=allreduce: the step the lost PS left unanswered is "
+                            "not pushed again; shards at step %d pass it without its update "
+                            "(the result differs from an uninterrupted run's)", min(versions))
             if not replay:  # (a replayed step brings the shards behind to the others)
                 comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
             plan = replace(self.plan, rolled_back_to=None, replay=replay)
