@@ -90,6 +90,9 @@ def workload(b, name: str) -> tuple[list[str], list[int], list[int]]:
 SYSTEM_OVERRIDES = {
     "psrpc": [], "psrpc_bf16": ["update.wire_dtype=bfloat16"],
     "psrpc_cache": ["CACHE"], "psrpc_cache_hold": ["CACHE_HOLD"],
+    # bfloat16 on the wire for the dense part (its pushes and pulls), with and without the
+    # write-back cache: on a thin link the dense bytes are what the cache cannot cut
+    "psrpc_bf16_cache_hold": ["update.wire_dtype=bfloat16", "CACHE_HOLD"],
     "psrpc_allreduce": ["update.dense=allreduce"],
     "psrpc_own_pushes": ["update.host_push=off"],  # each worker of a host pushes its own
     # a PS on every host (cluster.ps_placement=spread): each link carries a share of the PS's

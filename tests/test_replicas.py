@@ -235,3 +235,27 @@ def test_a_ring_slot_is_written_again_only_once_the_backup_applied_it():
         shm.remove(run)
     assert not (shm.directory() / r.name).exists()
     ring.forget(3)
+
+
+def test_a_backlog_applies_in_order_and_completes_each_future_once():
+    """Backlog.take: updates more than WINDOW ahead of the last applied one wait; taken inline
+    (a side channel's reader, a backup just built taking the updates that came first) they are
+    applied in this thread, in seq order, and each take's Future completes exactly once (a
+    second completion raises); out of order, the missing one is waited for."""
+    from types import SimpleNamespace
+    from psrpc.ps.backup import Backlog
+    from psrpc.ps.replicas import Update
+
+    applied = []
+    shard = SimpleNamespace(index=3, name="ps0/shard3",
+                            apply_update=lambda u: applied.append(u.seq))
+    log = Backlog(shard)
+    u = [Update(3, s, s, [], {}, [], 100) for s in range(1, 11)]
+    first = log.take(u[:6][::-1])  # 6 at once: past the window, all applied here
+    assert first.done() and applied == [1, 2, 3, 4, 5, 6] and log.applied == 6
+    late = log.take([u[8]], inline=False)  # 9 before 8: held, nothing applied yet
+    assert late.done() and applied == [1, 2, 3, 4, 5, 6]
+    log.take([u[6], u[7]], inline=True)  # 7 and 8 here, then 9 that was waiting for them
+    log.drain(5.0)
+    assert applied == [1, 2, 3, 4, 5, 6, 7, 8, 9] and log.applied == 9
+    log.close()

@@ -49,7 +49,8 @@ class Backlog:
             if inline:
                 self._busy = True
             due = max((u.seq for u in updates), default=0) - self.WINDOW
-            if due > self.applied:
+            wait = due > self.applied  # (then completed by whoever applies up to `due`)
+            if wait:
                 self._waiting.append((due, fut))
             if self._thread is None and not inline:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -58,7 +59,7 @@ class Backlog:
             self._cv.notify_all()
         if inline:
             self._apply_held()
-        if due <= self.applied:
+        if not wait:
             fut.set_result(True)
         return fut
 
