@@ -20,8 +20,9 @@ What it keeps of RPC's guarantees:
   the process), and the PS serves only connections from its own user id (SO_PEERCRED): a pickle
   is code, and TensorPipe's listener is the wider door (docs/security.md).
 
-A message may also carry calls with no reply (`SideChannel.send`, sequence number 0): a PS sends
-a shard's update to its backup on the same host that way (psrpc/ps/replicas.py). Once sent, it
+A message may also carry calls with no reply (`SideChannel.send`, sequence number ONEWAY, or
+LAZY where the receiver may leave it queued up to LAZY_S and read it with the next ones): a PS
+sends a shard's update to its backup on the same host that way (psrpc/ps/replicas.py). Once sent, it
 is in the receiver's socket, which the kernel keeps for the receiver even when the sender dies;
 `settle` waits until the receiver has taken everything queued there.
 
@@ -137,7 +138,6 @@ class _Peer:
         except OSError:  # (closed meanwhile)
             return self.ended.is_set()
         return waiting == 0 and self.idle
-
 
 
 def settle(timeout_s: float = 30.0) -> None:

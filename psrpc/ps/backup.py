@@ -4,6 +4,7 @@ shard, and the backup's `Backlog`."""
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Optional
 
@@ -19,8 +20,9 @@ from psrpc.ps.snapshots import ShardSnapshots
 class Backlog:
     """On a backup: its primary's updates, taken as soon as they are held here (acknowledged,
     over TensorPipe: the primary's reply then waits for a message, not for the backup's
-    optimizer step) and applied in their order by a thread of its own. At most WINDOW updates
-    are held unapplied: past that, `take`'s Future waits, and with it the acknowledgement or
+    optimizer step) and applied in their order: by the thread that took them where none is
+    applying and it may (a side channel's reader), else by a thread of its own. At most WINDOW
+    updates are held unapplied: past that, `take`'s Future waits, and with it the acknowledgement or
     the side channel's reader (a backup that falls behind slows its primary, not its
     memory)."""
 
@@ -295,17 +297,15 @@ class ReplicatedRows:
                 (name, k, getattr(opt, k)) for k in opt.per_row_state]
         # Packed: the rows' values in one tensor per dtype, whatever the tables and states (a
         # message's cost is mostly per tensor pickled, not per byte)
-        sizes: dict = {}
-        for name, _, t in copied:
-            sizes[t.dtype] = sizes.get(t.dtype, 0) + rows[name].numel() * t[0:1].numel()
-        packed = {dt: torch.empty(n, dtype=dt) for dt, n in sizes.items()}
-        layout, at = [], dict.fromkeys(sizes, 0)
+        layout, at = [], {}  # layout: (table, state, dtype, offset, shape); at: dtype -> size
         for name, key, t in copied:
             shape = (rows[name].numel(),) + tuple(t.shape[1:])
-            n = rows[name].numel() * t[0:1].numel()
-            torch.index_select(t, 0, rows[name], out=packed[t.dtype][at[t.dtype]:][:n].view(shape))
-            layout.append((name, key, t.dtype, at[t.dtype], shape))
-            at[t.dtype] += n
+            layout.append((name, key, t.dtype, at.get(t.dtype, 0), shape))
+            at[t.dtype] = at.get(t.dtype, 0) + math.prod(shape)
+        packed = {dt: torch.empty(n, dtype=dt) for dt, n in at.items()}
+        for (name, _, t), (_, _, dt, offset, shape) in zip(copied, layout):
+            torch.index_select(t, 0, rows[name],
+                               out=packed[dt][offset:offset + math.prod(shape)].view(shape))
         scalars = {name: {k: getattr(opt, k) for k in opt.scalar_state}
                    for name, opt in self.row_optim.items()}
         return [("rows", list(rows), [r.numel() for r in rows.values()],
@@ -326,8 +326,7 @@ class ReplicatedRows:
         rows = dict(zip(names, ids.split(counts)))
         for name, key, dtype, at, shape in layout:
             into = self.weights[name] if key is None else getattr(self.row_optim[name], key)
-            n = shape[0] * into[0:1].numel()
-            into.index_copy_(0, rows[name], packed[dtype][at:at + n].view(shape))
+            into.index_copy_(0, rows[name], packed[dtype][at:at + math.prod(shape)].view(shape))
         for name, values in scalars.items():
             for k, v in values.items():
                 setattr(self.row_optim[name], k, v)

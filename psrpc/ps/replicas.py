@@ -13,9 +13,10 @@ acknowledged the update over TensorPipe.
 
 On the primary (`Journal`, under the shard's lock): `record` notes each optimizer step or
 counted step, `commit` sends the update when the version moves. On a backup's PS (`apply`,
-`Backlog`): an update is acknowledged once held, and applied in the primary's order by a thread
-of the backup (several RPC threads may deliver them out of order; one that comes early waits
-for its predecessors); a promotion first applies every update held. A backup that is being created while training goes
+`Backlog`): an update is acknowledged once held, and applied in the primary's order, by the side
+channel's reader that brought it or by a thread of the backup (several RPC threads may deliver
+them out of order; one that comes early waits for its predecessors); a promotion first applies
+every update held. A backup that is being created while training goes
 on (a PS that came back, `copy_to`) gets the primary's state at some version and, meanwhile, the
 updates after it, which wait until it exists: the pre-copy, then what changed during it.
 

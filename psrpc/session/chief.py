@@ -142,12 +142,11 @@ class Chief:
         if found | {f["shard"] for f in failovers} == {h.key for h in shards}:  # line them up
             if self.cfg.cluster.ps_replicas:  # no update goes to a copy now gone
                 failover.name_backups(self.cfg, self.topo, self.plan)
-            replay = bool(failovers) and self.cfg.update.name == "sync" \
-                and self.cfg.update.dense != "allreduce"
+            lost_round = bool(failovers) and self.cfg.update.name == "sync"
+            replay = lost_round and self.cfg.update.dense != "allreduce"  # (not replayed there)
             versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay) for r in shards])
             target = max(versions)
-            if failovers and not replay and len(set(versions)) > 1 and \
-                    self.cfg.update.name == "sync":  # (update.dense=allreduce: not replayed)
+            if lost_round and not replay and len(set(versions)) > 1:
                 log.warning("update.dense=allreduce: the step the lost PS left unanswered is "
                             "not pushed again; shards at step %d pass it without its update "
                             "(the result differs from an uninterrupted run's)", min(versions))
