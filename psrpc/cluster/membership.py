@@ -186,6 +186,12 @@ def group_prefix(what: str) -> str:
     return f"psrpc/attempt-{_STATE['attempt']}/epoch-{current()}/{what}/"
 
 
+def run_prefix(what: str) -> str:
+    """A store prefix for what holds through every epoch of this attempt (a backup's fence:
+    psrpc/ps/replicas.py), and is gone with it (a restarted group starts from a checkpoint)."""
+    return f"psrpc/attempt-{_STATE['attempt']}/{what}/"
+
+
 def _parse(value: bytes) -> tuple[int, bool]:
     parts = value.decode().split()
     return int(parts[0]), FINISHED in parts[1:]
