@@ -8,7 +8,8 @@ multirun job still gets fresh processes with no RPC state. The parent waits, and
   every child is terminated and the failing rank's error is raised;
 - a rank killed by a signal is started again and joins the running job in a new membership
   epoch (psrpc/cluster/membership.py; the deaths seen in one poll make one epoch), within its
-  restart budget; a worker beyond it is lost, not fatal: the others go on. Once the chief has
+  restart budget; a worker beyond it is lost, not fatal: the others go on, and every later
+  epoch's group is formed without it (it is listed gone in the store). Once the chief has
   ended training nobody is started again: a rank lost then is lost;
 - SIGINT/SIGTERM to the parent: every child gets SIGTERM, the chief stops at its next step and
   commits a final checkpoint, and the launcher waits for every child to leave by itself (up to
@@ -227,7 +228,7 @@ class _Cluster:
                 failed.append(name)
         if not again or failed:  # a failure ends the run: nobody to start again
             return [], failed
-        if not membership.announce(self.store, self.attempt, self.epoch + 1, again):
+        if not membership.announce(self.store, self.attempt, self.epoch + 1, again, self.lost):
             return [], self._after_training(again, codes)  # the chief ended training meanwhile
         self.epoch += 1
         for name in again:

@@ -140,8 +140,11 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
     set_tf32(cfg.train.tf32)
     torch.manual_seed(cfg.train.seed)
 
-    def join(epoch: int, abort=None) -> None:
-        comm.init(topo.name, topo.rank, topo.world_size, topo.master_addr, topo.master_port,
+    def join(epoch: int, abort=None, rank: int = topo.rank,
+             world_size: int = topo.world_size) -> None:
+        """Join epoch `epoch`'s RPC group as its member `rank` of `world_size` (fewer than
+        every rank once a worker is gone for good: psrpc/cluster/membership.py)."""
+        comm.init(topo.name, rank, world_size, topo.master_addr, topo.master_port,
                   rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
                   threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
                   channels_=cfg.cluster.channels, attempt=topo.restart_count, interface=topo.interface,

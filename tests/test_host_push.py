@@ -98,6 +98,9 @@ def test_accumulating_one_at_a_time_is_the_tree(n):
     (["a", "b", "b"], 2, None),
     (["a", "a", "a"], 2, (0, 2, [0, 1, 2])),  # (index 3 does not exist)
     (["a", "a", "b", "b", "b", "b"], 5, (4, 2, [4, 5])),  # 2-5 is not aligned; 4-7 has 4-5
+    (["a", None, "a", "a"], 0, (0, 2, [0, 2, 3])),  # worker1 gone for good: an absent leaf
+    (["a", "a", "a", None], 2, (0, 2, [0, 1, 2])),
+    (["a", None], 0, None),  # alone: no block
 ])
 def test_a_block_is_the_largest_aligned_one_on_the_host(hosts, index, block):
     assert block_of(index, hosts) == block

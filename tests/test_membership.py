@@ -51,6 +51,27 @@ def test_an_epoch_replaced_before_every_rank_arrived_is_abandoned_by_every_rank(
         assert membership._gather(1, time.monotonic() + 5) is False
 
 
+def test_an_epoch_forms_without_a_worker_gone_for_good_and_numbers_the_others_again(store):
+    """worker0 was lost with no restart left, then ps0 started again: epoch 1's group is ps0
+    and worker1 (ranks 0 and 1 of 2), and it forms once those two arrive."""
+    assert membership.announce(store, 0, 1, ["ps0"], gone=["worker0"])
+    joined = []
+    membership._STATE["join"] = lambda epoch, abort, rank, world: joined.append((rank, world))
+
+    def ps0_arrives():  # as ps0's own _gather would, in its process
+        store.set(membership._gather_key(0, 1, 0), "1")
+        if store.add(membership._gather_key(0, 1, "count"), 1) >= 2:
+            store.compare_set(membership._gather_key(0, 1, "state"), "", "go")
+
+    membership._STATE["rank"] = 2  # worker1 arrives first, ps0 0.3 s later
+    threading.Timer(0.3, ps0_arrives).start()
+    assert membership._join_newest() == 1 and joined == [(1, 2)]
+    assert membership.members(1) == [0, 2] and membership.members(0) == [0, 1, 2]
+    membership._STATE["rank"] = 1  # worker0 itself has no place in it
+    with pytest.raises(PsrpcError, match=r"^worker0: membership epoch 1 lists it as gone"):
+        membership.group_rank(1)
+
+
 def test_a_rank_missing_from_an_epoch_is_named_after_the_timeout(store):
     membership._STATE["rank"] = 1
     t0 = time.monotonic()

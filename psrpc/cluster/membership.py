@@ -22,6 +22,9 @@ epoch that a newer one replaces before that is abandoned by everyone, so no two 
 Every wait of a join ends after cluster.init_timeout_s with a message naming who is missing.
 When the chief ends training it marks the epoch key finished (`finish`): from then on the
 launcher starts no lost rank again (`announce` fails), so no epoch starts that nobody joins.
+A worker lost for good (no restart left) is out of every later epoch: the launcher lists it
+(`gone_key`) before it announces one, and that epoch's group is made of the others, numbered
+again in rank order (`members`), so a PS started again later still finds a group to join.
 
 Under torchrun and srun the ranks announce epochs themselves: psrpc/cluster/partitions.py.
 """
@@ -68,6 +71,13 @@ def event_key(attempt: int, epoch: int) -> str:
     return f"psrpc/attempt-{attempt}/epoch-{epoch}/why"
 
 
+def gone_key(attempt: int, epoch: int) -> str:
+    """The store key of the ranks out of epoch `epoch` for good (set by the local launcher
+    before it announces the epoch): 'worker2,worker3', workers lost with no restart left. No
+    key: every rank is in it."""
+    return f"psrpc/attempt-{attempt}/epoch-{epoch}/gone"
+
+
 def failed_key(attempt: int) -> str:
     """Set when the attempt cannot go on (its chief was started again, a rank missing from an
     epoch past cluster.init_timeout_s where the ranks announce epochs): why, in one line."""
@@ -97,8 +107,10 @@ def install_wakeup() -> None:
 
 def setup(epoch: int, attempt: int, join: Callable[..., None], rank: int = 0,
           names: Optional[list[str]] = None, timeout_s: float = 120.0) -> None:
-    """In a rank: the epoch it was started for, `join(epoch, abort)` that joins the group of an
-    epoch (giving up when `abort()` says a newer one replaced it), its rank, every rank's name
+    """In a rank: the epoch it was started for, `join(epoch, abort, rank, world_size)` that
+    joins the group of an epoch (giving up when `abort()` says a newer one replaced it) as
+    member `rank` of `world_size` (`group_rank`: those gone for good are left out), its rank
+    among every rank, every rank's name
     (by rank) and how long a join may wait (cluster.init_timeout_s). Needs the process's store
     (`store.connect_store`) where the local launcher hosts epochs."""
     _STATE.update(epoch=epoch, join=join, attempt=attempt, rank=rank, names=list(names or []),
@@ -243,7 +255,8 @@ def _join_newest() -> int:
                 _given_up(target)
             continue  # a newer epoch replaced it before everyone arrived
         try:  # given up at once when a newer epoch is announced while the group forms
-            _STATE["join"](target, lambda: _STOPPING.is_set() or announced() > target)
+            _STATE["join"](target, lambda: _STOPPING.is_set() or announced() > target,
+                           *group_rank(target))
             store.store().set(_gather_key(_STATE["attempt"], target, f"formed/{_STATE['rank']}"),
                               "1")
         except Exception as e:
@@ -293,15 +306,15 @@ def _gather(epoch: int, deadline: float) -> bool:
     decision is one compare-and-set in the store, so no rank joins an epoch others left).
     Raises when ranks are still missing at `deadline`."""
     s, attempt, rank = store.store(), _STATE["attempt"], _STATE["rank"]
-    world = len(_STATE["names"])
+    ranks = members(epoch)
     state = _gather_key(attempt, epoch, "state")
     s.set(_gather_key(attempt, epoch, rank), "1")
-    if s.add(_gather_key(attempt, epoch, "count"), 1) >= world:
+    if s.add(_gather_key(attempt, epoch, "count"), 1) >= len(ranks):
         s.compare_set(state, "", "go")  # the last to arrive (unless abandoned first)
     extended = None
 
     def missing() -> list[int]:
-        return [r for r in range(world) if not s.check([_gather_key(attempt, epoch, r)])]
+        return [r for r in ranks if not s.check([_gather_key(attempt, epoch, r)])]
 
     while True:
         if store.wait_for(s, [state], POLL_S):
@@ -330,6 +343,31 @@ def _gather(epoch: int, deadline: float) -> bool:
             if _STATE["self_announce"]:  # final: no rank asks for another epoch (the first wins)
                 why = s.compare_set(failed_key(attempt), "", why).decode() or why
             raise PsrpcError(f"{_me()}: {why}")
+
+
+def gone(epoch: int) -> list[str]:
+    """The ranks out of epoch `epoch` for good (workers the local launcher lost with no restart
+    left), by name; [] where nobody announces them (torchrun, srun, an older store)."""
+    key = gone_key(_STATE["attempt"], epoch)
+    s = store.store()
+    return s.get(key).decode().split(",") if s.check([key]) else []
+
+
+def members(epoch: int) -> list[int]:
+    """The ranks of epoch `epoch`'s group: every rank but those gone for good."""
+    out = set(gone(epoch))
+    return [r for r, name in enumerate(_STATE["names"]) if name not in out]
+
+
+def group_rank(epoch: int) -> tuple[int, int]:
+    """(this rank's place in epoch `epoch`'s group, the group's size): its RPC rank and world
+    size there, the ranks of those gone for good left out. Raises for a rank that is itself
+    listed gone (the launcher counted it lost: it has no place in any later epoch)."""
+    ranks = members(epoch)
+    if _STATE["rank"] not in ranks:
+        raise PsrpcError(f"{_me()}: membership epoch {epoch} lists it as gone for good (lost "
+                         f"with no restart left): it has no place in the group")
+    return ranks.index(_STATE["rank"]), len(ranks)
 
 
 def _leaving(s, epoch: int, missing: list[int]) -> Optional[int]:
@@ -393,9 +431,13 @@ def training_over(store, attempt: int) -> bool:
     return _parse(store.get(epoch_key(attempt)))[1]
 
 
-def announce(store, attempt: int, epoch: int, names: list[str]) -> bool:
+def announce(store, attempt: int, epoch: int, names: list[str], gone=()) -> bool:
     """The launcher: epoch `epoch` (after `epoch - 1`) starts because `names` were started
-    again. False, and nothing announced, when the chief has ended training meanwhile."""
-    # What started the epoch, then the epoch itself: a rank reads them in that order.
+    again; `gone`: the workers lost for good, out of its group. False, and nothing announced,
+    when the chief has ended training meanwhile."""
+    # What started the epoch and who is out of it, then the epoch itself: a rank reads them in
+    # that order.
     store.set(event_key(attempt, epoch), f"{','.join(names)} {time.time()}")
+    if gone:
+        store.set(gone_key(attempt, epoch), ",".join(gone))
     return store.compare_set(epoch_key(attempt), str(epoch - 1), str(epoch)).decode() == str(epoch)

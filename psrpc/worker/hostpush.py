@@ -60,14 +60,16 @@ class HostPushError(PsrpcError):
     """A worker of the block died, closed its end, sent nonsense or nothing in time."""
 
 
-def block_of(index: int, hosts: list[str]) -> Optional[tuple[int, int, list[int]]]:
+def block_of(index: int, hosts: list[Optional[str]]) -> Optional[tuple[int, int, list[int]]]:
     """(first index, level, workers) of the largest aligned block of 2^level indices holding
     `index` whose workers (those below W = len(hosts)) all run on its host, with two or more
-    of them; None when there is none."""
+    of them; None when there is none. A worker whose host is None is gone for good: an absent
+    leaf, in no block, which does not split one (the tree leaves it out)."""
     best, level = None, 1
     while (1 << (level - 1)) < len(hosts):
         first = (index >> level) << level
-        members = list(range(first, min(first + (1 << level), len(hosts))))
+        members = [w for w in range(first, min(first + (1 << level), len(hosts)))
+                   if hosts[w] is not None]
         if any(hosts[w] != hosts[index] for w in members):
             break
         if len(members) >= 2:
@@ -326,8 +328,7 @@ def form(cfg, index: int, workers: int, shards: list, shm_modes: list, numels: l
     prefix = membership.group_prefix("hostpush")
     here = shm.host_id()
     store.set(f"{prefix}host/{index}", here)
-    hosts = [store.get(f"{prefix}host/{w}").decode() for w in range(workers)]
-    block = block_of(index, hosts)
+    block = block_of(index, _hosts(store, prefix, workers))
     if block is None:
         return None
     names = [comm.owner_name(h) for h in shards]
@@ -346,6 +347,14 @@ def form(cfg, index: int, workers: int, shards: list, shm_modes: list, numels: l
         return None
     socks, group.socks = group.socks, {}
     return HostPush(index, first, level, members, socks, which, numels, wire_dtype, timeout_s)
+
+
+def _hosts(store, prefix: str, workers: int) -> list[Optional[str]]:
+    """Each worker's host as it published it in this epoch; None for a worker gone for good
+    (out of the epoch: it publishes nothing)."""
+    gone = set(membership.gone(membership.current()))
+    return [None if f"worker{w}" in gone else store.get(f"{prefix}host/{w}").decode()
+            for w in range(workers)]
 
 
 class Blocks:
