@@ -4,13 +4,16 @@ place and checks it; a local cluster whose four workers push one sum equals four
 worker accumulating four micro-batches, bit for bit. (Across emulated hosts:
 tests/test_hosts.py.)"""
 
+import re
+import socket
+
 import pytest
 import torch
 
 from psrpc.cluster.wire import HostSum
 from psrpc.errors import ConfigError, PushRejected
 from psrpc.optim.treesum import Scratch, TreeAccumulator, leaves, tree_sum
-from psrpc.worker.hostpush import block_of
+from psrpc.worker.hostpush import HostPush, HostPushError, block_of
 from tests.conftest import assert_equal_model, assert_same_model, compose, run_cluster
 from tests.unit_helpers import make_shard, push, sync
 
@@ -224,3 +227,44 @@ def test_a_killed_worker_of_a_block_rejoins_and_the_block_forms_again(tmp_path):
     (shard,) = summary["shards"]
     assert shard["host_sums"] > 40  # (the rounds around the kill may go without the block)
     assert summary["host_push"] == ["workers 0-3 push as one, led by worker0"]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_of_a_block_lost_for_good_leaves_the_block_and_the_run_completes(tmp_path):
+    """worker3 of the block 0-3 is SIGKILLed at step 10 with no restart left: the leader's
+    wait for its gradient fails at once, and the block goes on without it (workers 0-2 sum and
+    worker0 pushes, as the tree with worker3's leaf absent); the run ends, worker3 counted lost,
+    and no message blames a worker that is alive."""
+    summary, _ = run_cluster(tmp_path, [
+        "cluster.num_workers=4", "train.batch_size=8", "cluster.shm=off",
+        "update.host_push=on", "train.steps=40", "cluster.max_worker_restarts=0",
+        "update.timeout_s=2", "fault.crash_role=worker", "fault.crash_index=3",
+        "fault.crash_at_step=10"], timeout_s=90)
+    assert summary["steps"] == 40 and summary["workers_lost"] == 1
+    (shard,) = summary["shards"]
+    assert shard["host_sums"] == 40 and shard["workers_lost"] == [3]
+    assert shard["per_worker_applied"]["0"] == 40
+    logs = "".join((tmp_path / "logs" / f"{r}.log").read_text()
+                   for r in ("worker0", "worker1", "worker2", "ps0"))
+    assert "host push: worker3 is gone" in logs
+    assert not re.search(r"worker[012] is gone", logs)
+
+
+def test_a_member_told_the_block_broke_names_why_not_its_live_leader():
+    """The leader breaks its block (worker2 sent nothing in time, say): before its sockets close
+    it tells the other members why, so worker1's call names worker2's silence, not 'worker0 is
+    gone'."""
+    to_1, from_0 = socket.socketpair()
+    to_2, _ = socket.socketpair()
+    args = ([True], [4], torch.float32, 5.0)
+    leader = HostPush(0, 0, 2, [0, 1, 2], {1: to_1, 2: to_2}, *args)
+    member = HostPush(1, 0, 2, [0, 1, 2], {0: from_0}, *args)
+    fut = member.push(None, 0, 0, torch.zeros(4), 1.0, 8)
+    leader._break(HostPushError("host push: worker2 sent nothing in 10 s (twice the RPC "
+                                "timeout)"))
+    with pytest.raises(Exception, match=r"host push: worker0, the block's leader, broke the "
+                                        r"block: worker2 sent nothing in 10 s") as e:
+        fut.wait()
+    assert "worker0 is gone" not in str(e.value)
+    member.close()
+    leader.close()

@@ -22,10 +22,14 @@ Which shards: with `auto`, those whose PS runs on another host; with `on` also t
 this host reached over TCP (cluster.shm=off); never one whose gradients go through shared
 memory. The block is formed again in each membership epoch, through the epoch's store prefix.
 
-Failures: a dead peer's socket closes, so the others' calls fail at once; a live one that sends
-nothing fails them after twice the RPC timeout (the leader waits for its round). Every pending
-and later call of the block then fails with one line; the worker meets it as a failed RPC (a
-membership change, or the error stands).
+Failures: a member that dies closes its socket and the leader goes on without it, naming it
+(`HostPush._lose`): the block sums the others, the dead worker's leaf of the tree absent, and
+the PS counts it lost after update.timeout_s as it does any worker that stops pushing. A worker
+lost for good is out of every later epoch's blocks (`block_of`). A leader that dies closes its
+sockets: its members' calls fail at once, naming it. A live worker that sends nothing fails the
+block after twice the RPC timeout (the leader waits for its round). Every pending and later call
+of a broken block fails with one line; the worker meets it as a failed RPC (a membership change,
+or the error stands).
 """
 
 from __future__ import annotations
@@ -53,11 +57,20 @@ from psrpc.optim.treesum import Scratch, tree_sum
 log = logging.getLogger(__name__)
 _GRAD = struct.Struct("<qqdqq")  # member -> leader: shard, version, loss, samples, bytes
 _REPLY = struct.Struct("<qq??dqq?q")  # leader -> member: shard, version, accepted, finished,
-# loss (NaN: none), samples, stale_dropped, skipped, bytes (-1: an error message follows)
+# loss (NaN: none), samples, stale_dropped, skipped, bytes (< 0: a message follows instead)
+_FAILED, _BROKEN = -1, -2  # its bytes: the push failed (for this shard); the leader broke the block
 
 
 class HostPushError(PsrpcError):
     """A worker of the block died, closed its end, sent nonsense or nothing in time."""
+
+
+class PeerGone(HostPushError):
+    """The socket to worker `worker` closed or failed: that worker is gone."""
+
+    def __init__(self, worker: int, why: str):
+        super().__init__(f"host push: worker{worker} is gone ({why})")
+        self.worker = worker
 
 
 def block_of(index: int, hosts: list[Optional[str]]) -> Optional[tuple[int, int, list[int]]]:
@@ -101,6 +114,7 @@ class HostPush:
         self._pending: "queue.Queue" = queue.Queue()  # member: (shard, Future) in send order
         self._futures: list[Future] = []  # not yet resolved (failed together when broken)
         self._lock = threading.Lock()
+        self._sending = threading.Lock()  # leader: held while a message goes to a member
         self._bufs: dict[tuple[int, int], torch.Tensor] = {}  # (worker, shard) -> receive buffer
         self._out: dict[int, torch.Tensor] = {}  # leader: shard -> float32 sum
         self._wire: dict[int, torch.Tensor] = {}  # leader: shard -> the sum in the wire dtype
@@ -145,21 +159,17 @@ class HostPush:
         handed on by `_hand_on`)."""
         given = {self.index: (grad, loss, samples)}
         for w in self.members[1:]:
-            k2, v2, loss2, samples2, nbytes = _GRAD.unpack(self._read(w, _GRAD.size))
-            buf = self._buf(w, k)
-            if (k2, v2, nbytes) != (k, version, buf.numel() * buf.element_size()):
-                raise HostPushError(f"host push: worker{w} sent shard {k2} of step {v2} "
-                                    f"({nbytes} bytes) where shard {k} of step {version} was "
-                                    "due: the block's workers are out of step")
-            self._read_into(w, _bytes(buf))
-            given[w] = (buf, loss2, samples2)
-        summed = [w for w in self.members if math.isfinite(given[w][1])]
+            try:
+                given[w] = self._receive(w, k, version)
+            except PeerGone as e:  # the block goes on without it: its leaf of the tree absent
+                self._lose(e)
+        summed = [w for w in self.members if w in given and math.isfinite(given[w][1])]
         total, finite = self._sum(k, given, summed)
         if not finite:  # some gradient is not finite: which ones, and the others' sum (should
             # that overflow, the PS finds it not finite and excuses them all)
             summed = [w for w in summed if _finite(given[w][0])]
             total, _ = self._sum(k, given, summed)
-        excused = tuple(w for w in self.members if w not in summed)
+        excused = tuple(w for w in given if w not in summed)
         if summed:
             mean_loss = sum(given[w][1] for w in summed) / len(summed)
         else:  # every gradient was non-finite: the PS excuses them all
@@ -169,6 +179,29 @@ class HostPush:
         rpc = client.push_one(k, version, total, mean_loss, sum(given[w][2] for w in summed),
                               host=host)
         self._send.submit(self._guarded, self._hand_on, k, rpc, fut, excused)
+
+    def _receive(self, w: int, k: int, version: int) -> tuple:
+        """Leader: worker w's (gradient of shard k, loss, samples) for step `version`."""
+        k2, v2, loss, samples, nbytes = _GRAD.unpack(self._read(w, _GRAD.size))
+        buf = self._buf(w, k)
+        if (k2, v2, nbytes) != (k, version, buf.numel() * buf.element_size()):
+            raise HostPushError(f"host push: worker{w} sent shard {k2} of step {v2} "
+                                f"({nbytes} bytes) where shard {k} of step {version} was "
+                                "due: the block's workers are out of step")
+        self._read_into(w, _bytes(buf))
+        return buf, loss, samples
+
+    def _lose(self, gone: PeerGone) -> None:
+        """Leader: a worker of the block is gone (its socket closed: it died). The others go
+        on as a block without it, as the tree does with its leaf absent (the PS counts it lost
+        after update.timeout_s, as any worker that stops pushing); it is never waited for or
+        written to again. Where the launcher starts it again, the next membership epoch forms
+        the block anew."""
+        with self._lock:
+            if gone.worker not in self.members:
+                return
+            self.members = [w for w in self.members if w != gone.worker]
+        log.warning("%s; the block goes on without it: %s", gone, self.describe())
 
     def _sum(self, k: int, given: dict, workers: list[int]) -> tuple:
         """(The tree sum of `workers`' gradients of shard k in the wire dtype, whether it is
@@ -195,19 +228,29 @@ class HostPush:
         except Exception as e:  # the push failed: each worker of the block fails with it
             msg = first_line(e).encode()[:4096]
             for w in self.members[1:]:
-                self.socks[w].sendall(_REPLY.pack(k, 0, False, False, 0.0, 0, 0, False, -1)
-                                      + struct.pack("<q", len(msg)) + msg)
+                self._send_to(w, _REPLY.pack(k, 0, False, False, 0.0, 0, 0, False, _FAILED),
+                              struct.pack("<q", len(msg)) + msg)
             self._resolve(fut, error=e)
             return
         data = _bytes(reply.params.contiguous())
         for w in self.members[1:]:
             mine = _own(reply, w in excused)
-            self.socks[w].sendall(_REPLY.pack(
+            self._send_to(w, _REPLY.pack(
                 k, mine.version, mine.accepted, mine.finished,
                 float("nan") if mine.loss is None else mine.loss, mine.samples,
-                mine.stale_dropped, mine.skipped, data.nbytes))
-            self.socks[w].sendall(data)
+                mine.stale_dropped, mine.skipped, data.nbytes), data)
         self._resolve(fut, _own(reply, self.index in excused))
+
+    def _send_to(self, w: int, header: bytes, data) -> None:
+        """Leader: a message to worker w; one that is gone leaves the block (`_lose`)."""
+        try:
+            with self._sending:
+                self.socks[w].sendall(header)
+                self.socks[w].sendall(data)
+        except socket.timeout:  # alive, reading nothing: the block breaks (`_guarded`)
+            raise
+        except OSError as e:
+            self._lose(PeerGone(w, first_line(e)))
 
     def _replies(self) -> None:
         """Member: each reply the leader hands on, in the order the pushes went out."""
@@ -218,11 +261,14 @@ class HostPush:
                     return
                 (k2, version, accepted, finished, loss, samples, stale, skipped,
                  nbytes) = _REPLY.unpack(self._read(self.first, _REPLY.size))
+                if nbytes == _BROKEN:
+                    why = self._message().removeprefix("host push: ")
+                    raise HostPushError(f"host push: worker{self.first}, the block's leader, "
+                                        f"broke the block: {why}")
                 if nbytes < 0:
-                    (n,) = struct.unpack("<q", self._read(self.first, 8))
-                    why = self._read(self.first, n).decode(errors="replace")
                     self._resolve(fut, error=PsrpcError(f"host push: the push of worker"
-                                                        f"{self.first} failed: {why}"))
+                                                        f"{self.first} failed: "
+                                                        f"{self._message()}"))
                     continue
                 buf = self._buf(self.first, k2)
                 if k2 != k or nbytes != buf.numel() * buf.element_size():
@@ -236,6 +282,11 @@ class HostPush:
             self._break(e)
 
     # -- plumbing ------------------------------------------------------------------------------
+    def _message(self) -> str:
+        """Member: the leader's message that follows a reply header with negative bytes."""
+        (n,) = struct.unpack("<q", self._read(self.first, 8))
+        return self._read(self.first, n).decode(errors="replace")
+
     def _buf(self, w: int, k: int) -> torch.Tensor:
         buf = self._bufs.get((w, k))
         if buf is None:
@@ -256,9 +307,9 @@ class HostPush:
                 raise HostPushError(f"host push: worker{w} sent nothing in "
                                     f"{2 * self.timeout_s:g} s (twice the RPC timeout)") from None
             except OSError as e:
-                raise HostPushError(f"host push: worker{w} is gone ({e})") from None
+                raise PeerGone(w, str(e)) from None
             if not n:
-                raise HostPushError(f"host push: worker{w} is gone (its end closed)")
+                raise PeerGone(w, "its end closed")
             got += n
 
     def _resolve(self, fut: Future, value=None, error: Optional[BaseException] = None) -> None:
@@ -287,10 +338,30 @@ class HostPush:
                 self.broken = e if isinstance(e, HostPushError) else HostPushError(
                     f"host push: {first_line(e)}")
             pending, self._futures = self._futures, []
+        self._farewell()
         for s in self.socks.values():
             shm.close_socket(s)
         for fut in pending:
             fut.set_exception(self.broken)
+
+    def _farewell(self) -> None:
+        """Leader: tell each member why the block broke before its socket closes (reading only
+        the closed end, it would name this live leader gone). Not while a reply is on its way
+        (the send thread holds the sockets): those members read the closed end."""
+        if not self.leader or not self._sending.acquire(blocking=False):
+            return
+        why = str(self.broken).encode()[:4096]
+        notice = (_REPLY.pack(-1, 0, False, False, 0.0, 0, 0, False, _BROKEN)
+                  + struct.pack("<q", len(why)) + why)
+        try:
+            for w in self.members[1:]:
+                try:
+                    self.socks[w].settimeout(1.0)
+                    self.socks[w].sendall(notice)
+                except OSError:  # gone too: it reads nothing
+                    pass
+        finally:
+            self._sending.release()
 
     def close(self) -> None:
         self._break(HostPushError("host push: the block was closed (a new membership epoch)"))
