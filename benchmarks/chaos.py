@@ -4,7 +4,7 @@ each run checked against the invariants users rely on.
     python -m benchmarks.chaos                     # 100 schedules
     python -m benchmarks.chaos schedules=10 seed=3
     python -m benchmarks.chaos only=[17]           # replay schedule 17 (of seed 0)
-    python -m benchmarks.chaos replicas=true schedules=12   # PS kills with shard backups
+    python -m benchmarks.chaos replicas=true schedules=200  # PS faults with backups, ~1 h
 
 Schedule i of seed s is a function of (s, i): an update mode (sync, sync with a backup worker,
 async, bounded async), 1-2 PS, 2-4 workers, checkpoints every 10 steps, and one fault from
@@ -19,24 +19,45 @@ fault a host cut off and healed, a slow link, or a host lost (its task started a
 the chief's; the rendezvous store's). Schedule i of seed s draws the same faults as before
 host faults came for i < 14 (the first 14 are one of each local fault).
 
-With replicas=true the campaign draws only PS kills with cluster.ps_replicas (REPLICA_FAULTS:
-any PS, a PS twice in a row, two PS together with 2 backups on 3 PS), each update mode in turn,
-and checks also that nothing was rolled back (0 steps redone) and that every backup equals its
-primary at the end.
+With replicas=true the campaign draws the faults of PS with backups (REPLICA_FAULTS, each in
+turn): a PS killed (rolled back to the checkpoint without backups; failed over with them), a PS
+killed twice in a row, two PS together (2 backups on 3 PS), a PS or a worker hung by SIGSTOP for
+0.5 s to update.timeout_s + 3 s, a backup's PS hung until a primary gives it up and then that
+primary killed, a PS killed again while the chief copies shards to new backups on it, a worker
+killed while the epoch of a killed PS forms, a worker lost for good then a PS killed. Each over
+WORKLOADS (the cnn and a DLRM with fixed tables, dynamic tables, dense all-reduce; the cnn with
+one push per host), its update modes and cluster.ps_replicas 0-2.
 
 After each run:
 - it ended within bound_s (else it is a hang: its whole process group is killed);
 - it applied train.steps, or its last line names the cause; a run that can finish (no more
   deaths than cluster.max_*_restarts allow, its launcher alive, room on the disk) finished;
 - no process of its session, and no /dev/shm segment of its run, is left;
-- its newest committed checkpoint loads (checkpoint.find_latest returns that step).
+- its newest committed checkpoint loads (checkpoint.find_latest returns that step);
+- every shard ended at the summary's step; the steps the chief did again, counted from its own
+  step log (metrics.jsonl), are 0 unless the summary names a rollback or a restore, and 0 with
+  backups unless every up-to-date copy of a shard may be lost (MAY_LOSE_EVERY_COPY);
+- with backups: every backup equals its primary (the summary's digests: the system's own
+  report) and each shard replicated as many updates as its version;
+- in sync (every worker in each round): its model.pt and exported tables equal, bit for bit,
+  those of the uninterrupted run of its config (benchmarks/chaos_oracle.py; one run per config,
+  shared), or the summary's `inexact` names why they cannot (a worker lost, a round closed
+  without a worker, a dense all-reduce failover's passed step): else a SILENT DIVERGENCE. Sync
+  with backup workers and async have no oracle (timing picks what a round or an update holds
+  even without a fault): they are held to the invariants above.
 A schedule whose fault did not happen (its victim was not running, the moment it waits for
 never came, no tmpfs could be mounted...) reads "not delivered", with the reason, and is no
-pass: the campaign exits 1 and names it for a replay, as it does a broken invariant.
+pass: the campaign exits 1 and names it for a replay, as it does a broken invariant (a silent
+divergence, a hang, a run without outputs that could finish among them).
+
+results.md (a line per fault: how its schedules ended, the oracle's verdicts, the steps redone),
+schedules.md and schedules.csv (a line per schedule: its oracle's verdict, its steps redone),
+results.json (every field of every schedule) and plot.png go to `out`.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 import shutil
@@ -50,7 +71,9 @@ from typing import Callable, Optional
 
 import psutil
 
-from benchmarks.chaos_faults import FAULTS, REPLICA_FAULTS, TIMEOUT_S, Run
+from benchmarks import chaos_oracle as oracle
+from benchmarks.chaos_faults import (FAULTS, MAY_LOSE_EVERY_COPY, REPLICA_DRAW, REPLICA_FAULTS,
+                                     TIMEOUT_S, Run)
 from benchmarks.chaos_hosts import HOST_FAULTS, HostRun
 from benchmarks.common import bench_config, header, write_results
 from benchmarks.hosts import missing as hosts_missing
@@ -75,16 +98,41 @@ def faults(hosts: bool = True, replicas: bool = False) -> dict:
     return {**FAULTS, **HOST_FAULTS} if hosts else dict(FAULTS)
 
 
+DLRM = ["model=dlrm", "model.dim=8", "model.bottom=[16,8]", "model.top=[16]", "data=clicks",
+        "data.num_samples=4096", "data.test_samples=512", "data.cardinalities=[1000,500,64]",
+        "data.num_dense=4", "loss=bce", "metric=auc", "sparse.lr=0.1", "train.log_every=1",
+        "train.warmup_steps=1", "checkpoint.every_steps=10", f"update.timeout_s={TIMEOUT_S}",
+        "cluster.init_timeout_s=60", "train.device=cpu"]
+# replicas=true: what runs (its overrides, the update modes it takes, its steps per
+# campaign step: the DLRM's steps are 3x shorter than the cnn's)
+WORKLOADS: dict[str, tuple[list, tuple, int]] = {
+    "cnn": (COMMON, tuple(MODES), 1),
+    "dlrm": (DLRM, tuple(MODES), 3),  # fixed tables, dense on the PS
+    "dlrm-dynamic": (DLRM + ["sparse.dynamic=true", "sparse.admit_after=2", "sparse.evict=lfu",
+                             "sparse.max_rows=80"], tuple(MODES), 3),
+    "dlrm-allreduce": (DLRM + ["update.dense=allreduce"], ("sync",), 3),  # tables on the PS
+    # one push per host of its workers' sum, to every shard (over TCP: cluster.shm=off)
+    "cnn-host-push": (COMMON + ["update.host_push=on", "cluster.shm=off"], ("sync",), 1),
+}
+
+
 def _replica_schedule(seed: int, index: int) -> dict:
-    """replicas=true: PS kills with backups of every shard; 2-3 PS (3 with 2 backups for two
-    PS killed together, so a copy of each shard is left), 2-3 workers, each update mode."""
+    """replicas=true: faults of PS with backups of every shard (REPLICA_FAULTS, each in turn)
+    over WORKLOADS, their update modes and cluster.ps_replicas 0-2 (REPLICA_DRAW says which a
+    fault takes): 2-3 PS (3 with 2 backups), 2-3 workers (2 with host pushes: one aligned
+    block). In sync the topology follows the backups (2 PS, 3 with 2 backups) so that
+    schedules of one config share their uninterrupted run (the oracle)."""
     rnd, drawn = random.Random(seed * 1_000_003 + index), list(REPLICA_FAULTS)
     fault = drawn[index % len(drawn)]
-    mode = list(MODES)[(index // len(drawn)) % len(MODES)]
-    P = 3 if fault == "kill_two_ps" else rnd.choice([2, 3])
-    return {"index": index, "seed": seed, "mode": mode, "num_ps": P,
-            "num_workers": rnd.choice([2, 3]), "fault": fault, "rng": rnd.getrandbits(32),
-            "ps_replicas": 2 if fault == "kill_two_ps" else 1}
+    workload = rnd.choice(list(WORKLOADS))
+    mode = rnd.choice(WORKLOADS[workload][1])
+    copies = rnd.choice(REPLICA_DRAW[fault][0])
+    P = 3 if copies == 2 else rnd.choice([2, 3])
+    P = 2 if mode == "sync" and copies < 2 else P
+    W = 2 if workload == "cnn-host-push" else rnd.choice([2, 3])
+    return {"index": index, "seed": seed, "mode": mode, "num_ps": P, "num_workers": W,
+            "fault": fault, "rng": rnd.getrandbits(32), "campaign": "replicas",
+            "workload": workload, "ps_replicas": copies}
 
 
 def schedule(seed: int, index: int, hosts: bool = True, replicas: bool = False) -> dict:
@@ -104,11 +152,25 @@ def schedule(seed: int, index: int, hosts: bool = True, replicas: bool = False) 
 
 
 def overrides(s: dict) -> list[str]:
+    """The schedule's config as `python -m psrpc` overrides (its fault's own included)."""
     mode = [o.replace("REPLICAS_MINUS_1", str(s["num_workers"] - 1)) for o in MODES[s["mode"]]]
     extra = ["data.test_size=20000"] if s["fault"] == "kill_in_eval" else []
-    copies = [f"cluster.ps_replicas={s['ps_replicas']}"] if s.get("ps_replicas") else []
-    return COMMON + mode + extra + copies + [f"cluster.num_ps={s['num_ps']}",
-                                             f"cluster.num_workers={s['num_workers']}"]
+    base = COMMON
+    if s.get("campaign") == "replicas":
+        base = WORKLOADS[s["workload"]][0]
+        extra = REPLICA_DRAW[s["fault"]][1] + [f"cluster.ps_replicas={s['ps_replicas']}"]
+    return base + mode + extra + [f"cluster.num_ps={s['num_ps']}",
+                                  f"cluster.num_workers={s['num_workers']}"]
+
+
+def run_steps(s: dict, steps: int) -> int:
+    """The schedule's train.steps: the campaign's, times its workload's factor."""
+    return steps * (WORKLOADS[s["workload"]][2] if s.get("campaign") == "replicas" else 1)
+
+
+def has_oracle(s: dict) -> bool:
+    """update=sync with every worker in each round: a run the uninterrupted one predicts."""
+    return s["mode"] == "sync"
 
 
 def _damage_checkpoint(folder: Path, s: dict, steps: int, how: str) -> tuple[str, bool]:
@@ -141,9 +203,21 @@ def _tiny_disk(folder: Path) -> Optional[Path]:
     return mnt if r.returncode == 0 else None
 
 
-def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
+def _start(s: dict, folder: Path, steps: int) -> Run:
+    """The schedule's run, without its fault: srun-style tasks over emulated hosts for a host
+    fault, else the local launcher."""
+    if s["fault"] in HOST_FAULTS:
+        return HostRun(folder, overrides(s), steps, n=s["num_ps"] + s["num_workers"])
+    return Run(folder, overrides(s), steps)
+
+
+def run_schedule(s: dict, root: Path, steps: int, bound_s: float,
+                 oracles: Optional[oracle.Oracles] = None) -> dict:
+    """Run schedule `s` with its fault and check it (`_check`, `_check_result`); in sync its
+    result is compared with the uninterrupted run's from `oracles` (none: not compared)."""
     folder = root / f"s{s['index']:03d}"
     folder.mkdir(parents=True)
+    steps = run_steps(s, steps)
     rnd = random.Random(s["rng"])
     did, can_finish, delivered, mounted = "", True, True, None
     if s["fault"] in ("truncated_checkpoint", "missing_checkpoint_file"):
@@ -155,12 +229,9 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
         did = ("checkpoint.dir on a 200 KB tmpfs" if mounted else
                "no tmpfs could be mounted here: the run is an ordinary one")
         can_finish = None  # either finishes (saves fail and are logged) or names the cause
-    if s["fault"] in HOST_FAULTS:
-        run = HostRun(folder, overrides(s), steps, n=s["num_ps"] + s["num_workers"])
-    else:
-        run = Run(folder, overrides(s), steps)
+    run = _start(s, folder, steps)
     try:
-        fn = faults(replicas=bool(s.get("ps_replicas")))[s["fault"]]
+        fn = faults(replicas=s.get("campaign") == "replicas")[s["fault"]]
         if fn is not None:
             did, can_finish, delivered = fn(run, rnd, s["num_ps"], s["num_workers"])
         try:
@@ -172,10 +243,10 @@ def run_schedule(s: dict, root: Path, steps: int, bound_s: float) -> dict:
             run.proc.wait(timeout=30)
         wall = time.monotonic() - run.started
         row = {**{k: s[k] for k in ("index", "mode", "num_ps", "num_workers", "fault")},
+               **{k: s[k] for k in ("workload", "ps_replicas") if k in s},
                "did": did, "wall_s": round(wall, 1), "exit": run.proc.returncode}
         row.update(_check(run, hang, can_finish, delivered))
-        if s.get("ps_replicas"):
-            row.update(_check_replicas(run, row))
+        row.update(_check_result(run, s, row, oracles, steps))
     finally:
         run.kill_all()
         if mounted is not None:
@@ -236,26 +307,89 @@ def _check(run: Run, hang: bool, can_finish: Optional[bool], delivered: bool = T
             "ok": delivered and not problems, "problems": "; ".join(problems), "cause": cause}
 
 
-def _check_replicas(run: Run, row: dict) -> dict:
-    """With cluster.ps_replicas, over what `_check` asks: every epoch failed over (nothing
-    rolled back, no restore: 0 steps redone) and every backup equals its primary at the end."""
+def _summary(run: Run) -> Optional[dict]:
     path = run.out / "summary.json"
-    if not path.exists():
-        return {}
-    summary = json.loads(path.read_text())
-    epochs = summary.get("epochs", [])
-    redone = sum(e["at_step"] - e["rolled_back_to"] for e in epochs
-                 if e.get("rolled_back_to") is not None)
-    problems = [p for p in [row["problems"]] if p]
-    if redone or summary.get("restored_from_step") is not None:
-        problems.append(f"{redone} steps redone (rolled back: "
-                        f"{[e['rolled_back_to'] for e in epochs]}, restored from "
-                        f"{summary.get('restored_from_step')})")
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _check_result(run: Run, s: dict, row: dict, oracles: Optional[oracle.Oracles],
+                  steps: int) -> dict:
+    """Over what `_check` asks, from the run's files: the steps redone (the chief's step log),
+    the shards' own invariants (every shard at one version; with backups, each backup equal
+    to its primary and each update replicated once), and in sync the result against the
+    uninterrupted run's (`oracle`)."""
+    summary = _summary(run)
+    redone = oracle.redone_steps(run.out / "metrics.jsonl")
+    verdict = _oracle(run, s, summary, oracles, steps)
+    problems = ([row["problems"]] if row["problems"] else []) + _redone_problems(
+        s, summary, redone) + _shard_problems(s, summary)
+    if oracle.kind(verdict) in (oracle.SILENT, oracle.BROKEN):
+        problems.append(verdict)
+    failovers = sum(len(e.get("failovers", [])) for e in (summary or {}).get("epochs", []))
+    return {"redone_steps": redone, "failovers": failovers, "oracle": verdict,
+            "problems": "; ".join(problems), "ok": row["delivered"] and not problems}
+
+
+def _oracle(run: Run, s: dict, summary: Optional[dict], oracles: Optional[oracle.Oracles],
+            steps: int) -> str:
+    """The oracle's verdict on the run's model.pt and tables (chaos_oracle.verdict), or
+    "no oracle: why"; "OUTPUTS DO NOT LOAD: ..." for a run's or its oracle's that fail to."""
+    if not has_oracle(s):
+        return f"{oracle.NONE}: update={s['mode']} (held to its invariants)"
+    if oracles is None:
+        return f"{oracle.NONE}: not asked"
+    try:
+        mine = oracle.outputs(run.out)
+        if mine is None:
+            return f"{oracle.NONE}: the run wrote no model.pt"
+        key = ("hosts" if s["fault"] in HOST_FAULTS else "local", steps, *overrides(s))
+        ref, why = oracles.get(key, lambda folder: _start(s, folder, steps))
+    except Exception as e:  # a torn model.pt, tables that are not one export
+        return f"{oracle.BROKEN}: {type(e).__name__}: {str(e)[:200]}"
+    if ref is None:
+        return f"{oracle.BROKEN}: {why}"
+    return oracle.verdict(oracle.compare(mine, ref), summary)
+
+
+def _redone_problems(s: dict, summary: Optional[dict], redone: int) -> list[str]:
+    """Steps redone (from the chief's log) are a problem where the summary names no rollback
+    or restore, and with backups unless the fault may lose every up-to-date copy of a shard
+    (MAY_LOSE_EVERY_COPY: then the epoch rolls back, saying so)."""
+    if not redone or summary is None:
+        return []
+    rolled = [e["rolled_back_to"] for e in summary.get("epochs", [])
+              if e.get("rolled_back_to") is not None]
+    restored = summary.get("restored_from_step")
+    if not rolled and restored is None:
+        return [f"{redone} steps redone (the chief's step log) with no rollback or restore in "
+                "the summary"]
+    copies = s.get("ps_replicas") or 0
+    if copies and copies not in MAY_LOSE_EVERY_COPY.get(s["fault"], ()):
+        return [f"{redone} steps redone with cluster.ps_replicas={copies} (rolled back to "
+                f"{rolled}, restored from {restored})"]
+    return []
+
+
+def _shard_problems(s: dict, summary: Optional[dict]) -> list[str]:
+    """Every shard at the summary's step; with backups, every backup equal to its primary
+    (the system's digests) and each shard's updates replicated once each (as many as its
+    version, where nothing was rolled back)."""
+    if summary is None:
+        return []
+    shards, out = summary.get("shards", []), []
+    versions = sorted({sh["version"] for sh in shards})
+    if versions and versions != [summary["steps"]]:
+        out.append(f"shards ended at versions {versions}, the summary at {summary['steps']}")
+    if not s.get("ps_replicas"):
+        return out
     if not summary.get("replicas", {}).get("agree"):
-        problems.append(f"backups differ from their primaries: {summary.get('replicas')}")
-    failovers = sum(len(e.get("failovers", [])) for e in epochs)
-    return {"redone_steps": redone, "failovers": failovers, "problems": "; ".join(problems),
-            "ok": row["delivered"] and not problems}
+        out.append(f"backups differ from their primaries: {summary.get('replicas')}")
+    rolled = any(e.get("rolled_back_to") is not None for e in summary.get("epochs", []))
+    off = [f"shard {sh['shard']} {sh.get('replicated')} of {sh['version']}" for sh in shards
+           if sh.get("replicated") != sh["version"]]
+    if off and not rolled and summary.get("restored_from_step") is None:
+        out.append("updates replicated differ from the version: " + ", ".join(off))
+    return out
 
 
 def _name(p: psutil.Process) -> str:
@@ -268,13 +402,15 @@ def _name(p: psutil.Process) -> str:
 def summarize(rows: list[dict]) -> list[dict]:
     """One line per fault: how its schedules ended. `passed`: delivered and every invariant
     kept; a schedule whose fault was not delivered counts under `not_delivered` only (its hang
-    or broken invariant, if any, too)."""
+    or broken invariant, if any, too). The oracle's verdicts (sync): equal to the uninterrupted
+    run, a divergence the summary names, a silent one; and the steps redone (the chief's log)."""
     out = []
     for fault in {**faults(), **REPLICA_FAULTS}:
         mine = [r for r in rows if r["fault"] == fault]
         if not mine:
             continue
         count = lambda cond: sum(1 for r in mine if cond(r))  # noqa: E731
+        verdicts = lambda k: count(lambda r: oracle.kind(r.get("oracle")) == k)  # noqa: E731
         out.append({"fault": fault, "schedules": len(mine),
                     "passed": count(lambda r: r["ok"]),
                     "finished": count(lambda r: r["outcome"] == "finished"),
@@ -284,22 +420,53 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "hangs": count(lambda r: r.get("ended", r["outcome"]) == "hang"),
                     "left_behind": count(lambda r: r["processes_left"] or r["segments_left"]),
                     "checkpoint_fails": count(lambda r: r["checkpoint_loads"] is False),
+                    "oracle_equal": verdicts(oracle.EQUAL),
+                    "named_divergence": verdicts(oracle.NAMED),
+                    "silent_divergence": verdicts(oracle.SILENT),
+                    "outputs_broken": verdicts(oracle.BROKEN),
+                    "steps_redone": sum(r.get("redone_steps") or 0 for r in mine),
                     "violations": count(lambda r: bool(r["problems"])),
                     "mean_wall_s": round(sum(r["wall_s"] for r in mine) / len(mine), 1)})
     return out
 
 
+SCHEDULE_COLUMNS = ["index", "mode", "workload", "num_ps", "num_workers", "ps_replicas", "fault",
+                    "outcome", "oracle", "redone_steps", "failovers", "wall_s", "ok", "problems",
+                    "did"]
+
+
+def write_schedules(out_dir: Path, rows: list[dict]) -> None:
+    """schedules.csv and schedules.md: a line per schedule, with its oracle's verdict and the
+    steps redone (results.json's `schedules` holds every field)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "schedules.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SCHEDULE_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    cell = lambda v: "" if v is None else str(v).replace("|", "/")  # noqa: E731
+    lines = ["| " + " | ".join(SCHEDULE_COLUMNS) + " |", "|" + "---|" * len(SCHEDULE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in SCHEDULE_COLUMNS) + " |" for r in rows]
+    (out_dir / "schedules.md").write_text("\n".join(lines) + "\n")
+
+
 def _plot(plt, rows):
-    fig, ax = plt.subplots(figsize=(9, 4))
-    kinds = ["finished", "clear_error", "launcher_killed", "not_delivered", "hangs"]
-    left = [0] * len(rows)
-    for kind in kinds:
-        vals = [r[kind] for r in rows]
-        ax.barh([r["fault"] for r in rows], vals, left=left, label=kind.replace("_", " "))
-        left = [a + b for a, b in zip(left, vals)]
-    ax.set_xlabel("schedules")
-    ax.set_title("How each fault's schedules ended")
-    ax.legend(loc="lower right", fontsize=8)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for axis, kinds, colors, title in (
+            (ax, ["finished", "clear_error", "launcher_killed", "not_delivered", "hangs"],
+             ["tab:blue", "tab:orange", "tab:gray", "tab:olive", "tab:red"],
+             "How each fault's schedules ended"),
+            (bx, ["oracle_equal", "named_divergence", "silent_divergence", "outputs_broken"],
+             ["tab:blue", "tab:orange", "tab:red", "tab:purple"],
+             "Their result against the uninterrupted run (sync)")):
+        left = [0] * len(rows)
+        for kind, color in zip(kinds, colors):
+            vals = [r[kind] for r in rows]
+            axis.barh([r["fault"] for r in rows], vals, left=left, color=color,
+                      label=kind.replace("_", " "))
+            left = [a + b for a, b in zip(left, vals)]
+        axis.set_xlabel("schedules")
+        axis.set_title(title, fontsize=10)
+        axis.legend(loc="lower right", fontsize=8)
     ax.invert_yaxis()
     return fig
 
@@ -309,6 +476,8 @@ def report(rows: list[dict], seed: int, total_s: float) -> str:
     to replay either."""
     bad = [r["index"] for r in rows if r["problems"]]
     missed = [r["index"] for r in rows if not r["delivered"]]
+    silent = [r["index"] for r in rows if oracle.kind(r.get("oracle")) == oracle.SILENT]
+    kinds = [oracle.kind(r.get("oracle")) for r in rows]
     replay = lambda xs: f" (replay: only=[{','.join(map(str, xs))}])" if xs else ""  # noqa: E731
     return (f"{len(rows)} schedules (seed {seed}) in {total_s / 60:.1f} min, "
             f"{sum(r['ok'] for r in rows)} passed: "
@@ -317,10 +486,15 @@ def report(rows: list[dict], seed: int, total_s: float) -> str:
             f"processes or segments, {sum(r['checkpoint_loads'] is False for r in rows)} "
             f"newest committed checkpoints that do not load, "
             f"{sum(1 for r in rows if r['could_finish'] and r['ended'] != 'finished')} runs "
-            f"that could finish and did not; {len(bad)} schedules broke an invariant"
-            + replay(bad) + f"; {len(missed)} schedules' faults were not delivered (no pass: "
+            f"that could finish and did not; against the uninterrupted run (sync): "
+            f"{kinds.count(oracle.EQUAL)} equal, {kinds.count(oracle.NAMED)} named "
+            f"divergences, {len(silent)} silent divergences" + replay(silent)
+            + f", {kinds.count(oracle.BROKEN)} outputs that do not load; "
+            f"{sum(r.get('redone_steps') or 0 for r in rows)} steps redone (the chiefs' logs); "
+            f"{len(bad)} schedules broke an invariant" + replay(bad)
+            + f"; {len(missed)} schedules' faults were not delivered (no pass: "
             "they tested nothing)" + replay(missed) + ". Every schedule: `results.json` "
-            "(`rows`: what it did, how it ended, what was checked).")
+            "(`schedules`: what it did, how it ended, what was checked), `schedules.md`.")
 
 
 def campaign(schedules: list[dict], steps: int, bound_s: float,
@@ -331,8 +505,9 @@ def campaign(schedules: list[dict], steps: int, bound_s: float,
     replay's diagnosis)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="psrpc-chaos-") as tmp:
+        oracles = oracle.Oracles(Path(tmp) / "oracles", bound_s)
         for s in schedules:
-            row = run_schedule(s, Path(tmp), steps, bound_s)
+            row = run_schedule(s, Path(tmp), steps, bound_s, oracles)
             rows.append(row)
             if keep is not None and (keep_all or not row["ok"]):
                 folder = Path(tmp) / f"s{s['index']:03d}"
@@ -341,9 +516,10 @@ def campaign(schedules: list[dict], steps: int, bound_s: float,
             verdict = "; ".join(
                 (["NOT DELIVERED"] if not row["delivered"] else [])
                 + ([f"VIOLATION: {row['problems']}"] if row["problems"] else [])) or "ok"
-            log(f"[{s['index']:3d}] {s['mode']:13s} P={s['num_ps']} W={s['num_workers']} "
+            what = (f"{s['workload']:14s} k={s['ps_replicas']} " if "workload" in s else "")
+            log(f"[{s['index']:3d}] {s['mode']:13s} {what}P={s['num_ps']} W={s['num_workers']} "
                 f"{s['fault']:24s} {row['outcome']:8s} {row['wall_s']:6.1f} s "
-                f"{verdict}  ({row['did']})")
+                f"redone {row['redone_steps']}, {row['oracle'][:90]}; {verdict}  ({row['did']})")
     return rows
 
 
@@ -363,8 +539,9 @@ def main(argv: list[str]) -> None:
     notes = report(rows, opts.seed, total)
     meta["schedules"] = rows
     write_results(Path(opts.out), meta, per_fault, list(per_fault[0]) if per_fault else [],
-                  "Fault campaign: every schedule ends, leaves nothing, keeps its checkpoint",
-                  plot=_plot, notes=notes)
+                  "Fault campaign: every schedule ends, leaves nothing, keeps its checkpoint "
+                  "and, in sync, the uninterrupted run's result", plot=_plot, notes=notes)
+    write_schedules(Path(opts.out), rows)
     print(notes)
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -349,9 +350,157 @@ def kill_two_ps(run, rnd, P, W):
     return _result(f"SIGKILL {hit} together at step {at}", True, missed)
 
 
-REPLICA_FAULTS: dict[str, Callable] = {"kill_ps_replicated": kill_ps_replicated,
-                                       "kill_ps_twice": kill_ps_twice,
-                                       "kill_two_ps": kill_two_ps}
+def _log(run: Run) -> str:
+    return run.stderr_path.read_text(errors="replace")
+
+
+def _count(run: Run, pattern: str) -> int:
+    """How many lines of the run's log (every rank's, prefixed [ps0], [worker0], [launcher])
+    match `pattern`."""
+    return len(re.findall(pattern, _log(run), re.MULTILINE))
+
+
+def _hold(run: Run, victim: str, at: int, seconds: float) -> tuple:
+    """SIGSTOP `victim` (hung, not dead) for `seconds`, then SIGCONT."""
+    _, missed = _kill(run, [victim], signal.SIGSTOP)
+    time.sleep(seconds)
+    run.signal([victim], signal.SIGCONT)
+    return _result(f"SIGSTOP {victim} at step {at} for {seconds:g} s, then SIGCONT", True, missed)
+
+
+def stop_ps(run, rnd, P, W):
+    """A PS hung for 0.5 s to update.timeout_s + 3 s, then continued: nothing is lost (past
+    the timeout its open round may close without a worker: the summary must say so)."""
+    victim, seconds = f"ps{rnd.randrange(P)}", round(rnd.uniform(0.5, TIMEOUT_S + 3), 1)
+    return _hold(run, victim, _at_step(run, rnd), seconds)
+
+
+def stop_worker(run, rnd, P, W):
+    """A worker (the chief too) hung for 0.5 s to update.timeout_s + 3 s, then continued."""
+    victim = rnd.choice(_workers(P, W, chief=True))
+    seconds = round(rnd.uniform(0.5, TIMEOUT_S + 3), 1)
+    return _hold(run, victim, _at_step(run, rnd), seconds)
+
+
+STALL_WAIT_S = 75.0  # a primary gives a hung backup up within its acknowledgement timeout
+
+
+def _gave_up(run: Run, backup: str) -> Optional[str]:
+    """The first primary's PS that logged that its backup on `backup` did not take an update."""
+    m = re.search(rf"^\[(ps\d+)\][^\n]*its backup on {backup} did not take an update",
+                  _log(run), re.MULTILINE)
+    return m.group(1) if m else None
+
+
+def stall_backup_then_kill_primary(run, rnd, P, W):
+    """A backup's PS hung until a primary gives its backup there up ("did not take an
+    update"), continued, then that primary killed: its shards fail over to a copy that took
+    every update (a second backup), or, with none, everything rolls back saying so; never to
+    the copy that missed updates."""
+    backup = f"ps{rnd.randrange(P)}"
+    at = _at_step(run, rnd)
+    _, missed = _kill(run, [backup], signal.SIGSTOP)
+    t0 = time.monotonic()
+    run.wait_for(lambda: _gave_up(run, backup) is not None, STALL_WAIT_S, 0.05)
+    primary, waited = _gave_up(run, backup), time.monotonic() - t0
+    run.signal([backup], signal.SIGCONT)
+    did = f"SIGSTOP {backup} at step {at}"
+    if missed or primary is None:
+        return _result(did + f" for {waited:.0f} s, then SIGCONT", True, missed or (
+            f"no primary logged that its backup on {backup} did not take an update within "
+            f"{waited:.0f} s"))
+    hit, missed = _kill(run, [primary])
+    return _result(did + f" until {primary} gave its backup there up ({waited:.1f} s), SIGCONT, "
+                   f"then SIGKILL {hit} at step {run.step()}", True, missed)
+
+
+COPYING = r"copying (\d+) shards to new backups"
+COPIED = r": a new backup on "
+
+
+def kill_in_backup_copy(run, rnd, P, W):
+    """A PS killed; once the chief copies shards to new backups on the PS that came back, that
+    PS killed again before every copy is made (its copies in progress are lost, nothing else):
+    another failover epoch, new copies again."""
+    victim = f"ps{rnd.randrange(P)}"
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, [victim])
+    if missed:
+        return _result(f"SIGKILL {victim} at step {at}", True, missed)
+    run.wait_for(lambda: _count(run, COPYING) >= 1, 60, 0.002)
+    copying = [int(n) for n in re.findall(COPYING, _log(run))]
+    done = _count(run, COPIED)
+    hit2, missed = _kill(run, [victim])
+    did = (f"SIGKILL {victim} at step {at}, again at step {run.step()} with {done} of "
+           f"{sum(copying)} new backups made")
+    if not missed and not copying:
+        missed = "no copy to new backups was logged within 60 s"
+    elif not missed and done >= sum(copying):
+        missed = "every new backup was made before the second kill"
+    return _result(did, True, missed)
+
+
+EPOCH_BEGUN = r"^\[launcher\].*starting it again .*membership epoch"
+EPOCH_DONE = r"membership epoch \d+: .* joined again at step"
+
+
+def kill_in_epoch(run, rnd, P, W):
+    """A PS killed; while the membership epoch that starts it again forms (the launcher has
+    announced it, the chief has not logged it joined), a worker killed: one more epoch, not a
+    hang, still no copy lost."""
+    first, second = f"ps{rnd.randrange(P)}", rnd.choice(_workers(P, W))
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, [first])
+    if missed:
+        return _result(f"SIGKILL {first} at step {at}", True, missed)
+    run.wait_for(lambda: _count(run, EPOCH_BEGUN) >= 1, 30, 0.002)
+    begun, joined = _count(run, EPOCH_BEGUN), _count(run, EPOCH_DONE)
+    hit2, missed = _kill(run, [second])
+    if not missed and not begun:
+        missed = "the launcher announced no membership epoch within 30 s"
+    elif not missed and joined:
+        missed = "the epoch had formed before the second kill"
+    return _result(f"SIGKILL {first} at step {at}, then {hit2} while its epoch formed", True,
+                   missed)
+
+
+def worker_lost_then_kill_ps(run, rnd, P, W):
+    """cluster.max_worker_restarts=0: a worker killed is lost for good (sync rounds go on
+    without it after update.timeout_s); a few steps later a PS killed."""
+    worker, ps = rnd.choice(_workers(P, W)), f"ps{rnd.randrange(P)}"
+    at = _at_step(run, rnd)
+    hit, missed = _kill(run, [worker])
+    if missed:
+        return _result(f"SIGKILL {worker} at step {at}", True, missed)
+    run.wait_for(lambda: _count(run, r"the others go on without it") >= 1, 30)
+    later = run.step() + 5
+    run.wait_for(lambda: run.step() >= later, 30)
+    can = _recoverable(run, [ps]) or None
+    hit2, missed = _kill(run, [ps])
+    if not missed and not _count(run, r"the others go on without it"):
+        missed = f"the launcher did not say {worker} was lost for good"
+    return _result(f"SIGKILL {worker} at step {at} (lost for good), then {hit2} at step "
+                   f"{run.step()}", can, missed)
+
+
+REPLICA_FAULTS: dict[str, Callable] = {
+    "kill_ps": kill_ps, "kill_ps_replicated": kill_ps_replicated,
+    "kill_ps_twice": kill_ps_twice, "kill_two_ps": kill_two_ps, "stop_ps": stop_ps,
+    "stop_worker": stop_worker, "stall_backup_then_kill_primary": stall_backup_then_kill_primary,
+    "kill_in_backup_copy": kill_in_backup_copy, "kill_in_epoch": kill_in_epoch,
+    "worker_lost_then_kill_ps": worker_lost_then_kill_ps}
+# What each replica fault is drawn with: the cluster.ps_replicas it takes (kill_ps: none, its
+# shards roll back to the checkpoint), and overrides of its own (part of its oracle's config).
+REPLICA_DRAW: dict[str, tuple[tuple, list]] = {
+    "kill_ps": ((0,), []), "kill_ps_replicated": ((1, 2), []), "kill_ps_twice": ((1, 2), []),
+    "kill_two_ps": ((2,), []), "stop_ps": ((0, 1, 2), []), "stop_worker": ((0, 1, 2), []),
+    # (over TensorPipe every update waits for its acknowledgement: the hung backup is seen)
+    "stall_backup_then_kill_primary": ((1, 2), ["cluster.shm=off"]),
+    "kill_in_backup_copy": ((1, 2), []), "kill_in_epoch": ((0, 1, 2), []),
+    "worker_lost_then_kill_ps": ((0, 1, 2), ["cluster.max_worker_restarts=0"])}
+# Where a run may roll back (steps redone) with backups: every up-to-date copy of a shard lost
+# (a single backup given up, then its primary killed).
+MAY_LOSE_EVERY_COPY = {"stall_backup_then_kill_primary": (1,)}
 
 FAULTS: dict[str, Callable] = {
     "kill_worker": kill_worker, "kill_chief": kill_chief, "kill_ps": kill_ps,

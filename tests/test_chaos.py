@@ -12,11 +12,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
+import torch
 
-from benchmarks import chaos, hosts
+from benchmarks import chaos, chaos_oracle, hosts
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -161,3 +163,146 @@ def test_the_final_evaluations_kill_hits_a_rank_that_is_running(tmp_path):
     finally:
         run.kill_all()
         run.proc.wait(timeout=10)
+
+
+# -- the oracle's pieces, without a cluster ---------------------------------------------------
+def _metrics(path: Path, steps: list[int]) -> Path:
+    """A chief's metrics.jsonl: a training record a step (an evaluation's record among them)."""
+    lines = [json.dumps({"step": s, "loss": 0.5, "samples": 16 * s}) for s in steps]
+    lines.insert(2, json.dumps({"step": steps[1], "test_accuracy": 0.5}))
+    path.write_text("\n".join(lines) + "\n{\"step\": 9")  # a torn last line
+    return path
+
+
+def test_steps_redone_are_counted_from_the_chiefs_step_log(tmp_path):
+    """A step logged again after a higher one was done again: a rollback from 14 to 10 redoes
+    11-14, a restart from 12 once 16 was reached redoes 13-16; an evaluation's record at a step
+    already logged, and a torn line, are no step."""
+    log = _metrics(tmp_path / "m.jsonl", [*range(1, 15), *range(11, 17), *range(13, 20)])
+    assert chaos_oracle.logged_steps(log)[:3] == [1, 2, 3]
+    assert chaos_oracle.redone_steps(log) == 4 + 4
+    assert chaos_oracle.redone_steps(_metrics(tmp_path / "plain.jsonl", list(range(1, 30)))) == 0
+    assert chaos_oracle.redone_steps(tmp_path / "none.jsonl") == 0
+
+
+def test_models_are_compared_bit_for_bit_from_their_files(tmp_path):
+    """model.pt as saved, loaded with weights_only: the smallest difference of one weight is a
+    difference; tables (a fixed one, a dynamic one's ids and rows) too."""
+    state = {"w": torch.randn(4, 3), "b": torch.zeros(3), "n": torch.tensor(7)}
+    for name, tweak in [("same", None), ("off", "w")]:
+        folder = tmp_path / name
+        folder.mkdir()
+        saved = {k: v.clone() for k, v in state.items()}
+        if tweak:
+            saved[tweak][1, 2] = torch.nextafter(saved[tweak][1, 2], torch.tensor(9.0))
+        torch.save(saved, folder / "model.pt")
+    same, off = (chaos_oracle.outputs(tmp_path / n) for n in ("same", "off"))
+    assert chaos_oracle.compare(same, {"model": state, "tables": {}}) == []
+    (diff,) = chaos_oracle.compare(off, {"model": state, "tables": {}})
+    assert diff.startswith("model.pt w: max |diff|")
+    assert chaos_oracle.outputs(tmp_path / "nothing") is None
+    dyn = SimpleNamespace(ids=torch.arange(5), weight=torch.ones(5, 2))
+    moved = SimpleNamespace(ids=torch.tensor([0, 1, 2, 3, 6]), weight=torch.ones(5, 2))
+    assert chaos_oracle.differences({"t": dyn}, {"t": dyn}) == []
+    assert chaos_oracle.differences({"t": dyn}, {"t": moved}) == ["t.ids: max |diff| 1"]
+
+
+def test_a_difference_is_silent_unless_the_summary_names_why():
+    diffs = ["model.pt w: max |diff| 1e-07"]
+    assert chaos_oracle.verdict([], {"inexact": ["workers lost for good: worker1"]}) == "equal"
+    assert chaos_oracle.verdict(diffs, {"inexact": []}).startswith("SILENT DIVERGENCE: model.pt")
+    assert chaos_oracle.verdict(diffs, {}).startswith("SILENT DIVERGENCE")
+    named = chaos_oracle.verdict(diffs, {"inexact": ["workers lost for good: worker1"]})
+    assert named == "named divergence: workers lost for good: worker1"
+    assert [chaos_oracle.kind(v) for v in ("equal", named, "SILENT DIVERGENCE: x",
+                                           "no oracle: update=async", None)] == \
+        ["equal", "named divergence", "SILENT DIVERGENCE", "no oracle", "no oracle"]
+
+
+def test_the_summary_names_why_a_sync_run_is_inexact():
+    """summary["inexact"] derives from the shards' counts: W gradients a step each, else a
+    round closed without a worker; a lost worker; backup workers; a dense all-reduce failover."""
+    from psrpc.session.outputs import inexact
+
+    def cfg(dense="ps", per_round=None, name="sync"):
+        return SimpleNamespace(update=SimpleNamespace(name=name, dense=dense,
+                                                      replicas_to_aggregate=per_round))
+    topo = SimpleNamespace(num_workers=2)
+    full = [{"shard": 0, "version": 30, "per_worker_applied": {0: 30, 1: 30}}]
+    short = [{"shard": 0, "version": 30, "per_worker_applied": {0: 30, 1: 28}}]
+    failover = [{"failovers": [{"shard": 0}]}]
+    assert inexact(cfg(), topo, full, [], failover) == []
+    assert inexact(cfg(name="async"), topo, short, [1]) == []
+    assert inexact(cfg(), topo, full, [1]) == ["workers lost for good: worker1"]
+    (why,) = inexact(cfg(), topo, short, [])
+    assert "shard 0: 2 gradients missing" in why
+    assert len(inexact(cfg("allreduce"), topo, short, [], failover)) == 2
+    assert "replicas_to_aggregate=1" in inexact(cfg(per_round=1), topo, short, [])[0]
+
+
+def test_the_replica_campaign_covers_every_dimension(tmp_path):
+    """200 schedules of a seed: every fault, update mode, workload (dense on the PS and all-
+    reduce, fixed and dynamic tables, host pushes) and cluster.ps_replicas 0-2, each in sync
+    (with an oracle) too where it has one; configs compose as the CLI would (one of each
+    workload, mode, with and without backups); sync schedules of one config share their
+    uninterrupted run."""
+    plan = [chaos.schedule(0, i, replicas=True) for i in range(200)]
+    seen = lambda key: {s[key] for s in plan}  # noqa: E731
+    assert seen("fault") == set(chaos.REPLICA_FAULTS)
+    assert seen("mode") == set(chaos.MODES) and seen("workload") == set(chaos.WORKLOADS)
+    assert seen("ps_replicas") == {0, 1, 2}
+    sync = [s for s in plan if chaos.has_oracle(s)]
+    assert {s["workload"] for s in sync} == set(chaos.WORKLOADS)
+    assert {s["ps_replicas"] for s in sync} == {0, 1, 2} and len(sync) >= 60
+    assert len({tuple(chaos.overrides(s)) for s in sync}) <= len(sync) // 2
+    for s in plan:
+        fault = s["fault"]
+        assert s["ps_replicas"] in chaos.REPLICA_DRAW[fault][0]
+        assert s["num_ps"] > s["ps_replicas"] and (s["ps_replicas"] < 2 or s["num_ps"] == 3)
+    from tests.conftest import compose
+    for s in {(s["workload"], s["mode"], s["ps_replicas"] > 0): s for s in plan}.values():
+        compose(chaos.overrides(s) + [f"train.steps={chaos.run_steps(s, 120)}",
+                                      f"checkpoint.dir={tmp_path}"])
+
+
+class _Finished:
+    """A run's files as the checks read them: a summary, a step log, model.pt."""
+
+    def __init__(self, folder: Path, summary: dict, steps: list[int], state: dict):
+        self.out = folder / "out"
+        self.out.mkdir(parents=True)
+        (self.out / "summary.json").write_text(json.dumps(summary))
+        _metrics(self.out / "metrics.jsonl", steps)
+        torch.save(state, self.out / "model.pt")
+
+
+def test_a_silent_divergence_and_an_unnamed_redo_break_the_schedule(tmp_path):
+    """With 1 backup: a result off the oracle's (the summary naming no reason) is a silent
+    divergence; steps redone in the chief's log are a problem (nothing may roll back with a
+    backup, and the summary names no rollback); shards at two versions; backups that differ."""
+    s = {"mode": "sync", "fault": "kill_ps_replicated", "ps_replicas": 1, "num_ps": 2,
+         "num_workers": 2, "campaign": "replicas", "workload": "cnn"}
+    summary = {"steps": 20, "epochs": [{"rolled_back_to": None, "failovers": [{}]}],
+               "restored_from_step": None, "inexact": [], "replicas": {"agree": False},
+               "shards": [{"shard": 0, "version": 20, "replicated": 20},
+                          {"shard": 1, "version": 19, "replicated": 19}]}
+    ref = {"w": torch.ones(3)}
+    run = _Finished(tmp_path, summary, [*range(1, 15), *range(11, 21)], {"w": torch.zeros(3)})
+    oracles = chaos_oracle.Oracles(tmp_path / "o", 30)
+    row = {"problems": "", "delivered": True}
+    got = chaos._check_result(run, s, row, _Cached(oracles, {"model": ref, "tables": {}}), 120)
+    assert got["redone_steps"] == 4 and got["failovers"] == 1 and not got["ok"]
+    assert got["oracle"].startswith("SILENT DIVERGENCE: model.pt w")
+    for part in ("4 steps redone", "versions [19, 20]", "backups differ", "SILENT"):
+        assert part in got["problems"], got["problems"]
+
+
+class _Cached(chaos_oracle.Oracles):
+    """Oracles whose every config's uninterrupted run is `outputs`."""
+
+    def __init__(self, like: chaos_oracle.Oracles, outputs: dict):
+        super().__init__(like.root, like.bound_s)
+        self.outputs = outputs
+
+    def get(self, key, start):
+        return self.outputs, ""
