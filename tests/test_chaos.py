@@ -3,7 +3,11 @@ campaign, 100 schedules, is `python -m benchmarks.chaos`), each checked for ever
 it ends within its bound, finishes when it can (or names the cause), leaves no process and no
 /dev/shm segment, and its newest committed checkpoint loads; and its fault was delivered. And
 the harness's own honesty, on stand-in runs: a fault that reached nobody is reported as not
-delivered and counted as no pass; the final evaluation's kill picks a rank that is running."""
+delivered and counted as no pass; the final evaluation's kill picks a rank that is running.
+And the oracle's pieces (benchmarks/chaos_oracle.py), without a cluster: steps redone counted
+from a chief's step log, models and tables compared bit for bit from their files, a difference
+silent unless the summary's `inexact` names why, the summary's reasons, the replica campaign's
+schedules covering every dimension."""
 
 import json
 import random
