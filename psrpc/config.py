@@ -273,6 +273,9 @@ class FaultConfig:
     """Index of the process that crashes (ps{k} or worker{i})."""
     crash_at_step: int = MISSING
     """Global step at which it crashes (first attempt of a torchrun group only)."""
+    crash_point: str = MISSING
+    """Where: after_update (once the step is applied), or between_backups (a PS with
+    cluster.ps_replicas >= 2: after sending the update to its first backup, before the next)."""
     nan_worker: Optional[int] = MISSING
     """Index of a worker that pushes NaN gradients once; null: none."""
     nan_at_step: int = MISSING

@@ -25,6 +25,7 @@ from psrpc.cluster.topology import replicas
 from psrpc.cluster.wire import WIRE_DTYPE_NAMES
 from psrpc.config import Config
 from psrpc.errors import ConfigError, first_line, one_of, require
+from psrpc.faults import check_faults
 from psrpc.factories import (arguments, build_loss, build_metric, build_model, injected, load_data,
                              locate)
 from psrpc.models.stages import model_cuts
@@ -151,23 +152,7 @@ def check_values(cfg: Config) -> None:
                "needs checkpoint.dir (where to save), or 0")
         require(not ck.best, "checkpoint.best", ck.best,
                "needs checkpoint.dir (best/ goes there), or false")
-    f = cfg.fault
-    require(f.slow_worker is None or 0 <= f.slow_worker < c.num_workers, "fault.slow_worker",
-           f.slow_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
-    require(_finite(f.slow_s), "fault.slow_s", f.slow_s, "must be a finite number of seconds ≥ 0")
-    require(f.crash_role in (None, "ps", "worker"), "fault.crash_role", f.crash_role,
-           "must be ps, worker or null")
-    if f.crash_role is not None:
-        n = c.num_ps if f.crash_role == "ps" else c.num_workers
-        require(0 <= f.crash_index < n, "fault.crash_index", f.crash_index,
-               f"must be a {f.crash_role} index in 0..{n - 1}")
-        require(0 <= f.crash_at_step < t.steps, "fault.crash_at_step", f.crash_at_step,
-               f"must be a step in 0..{t.steps - 1} (train.steps={t.steps}), or it never happens")
-    require(f.nan_worker is None or 0 <= f.nan_worker < c.num_workers, "fault.nan_worker",
-           f.nan_worker, f"must be a worker index in 0..{c.num_workers - 1}, or null")
-    if f.nan_worker is not None:
-        require(0 <= f.nan_at_step < t.steps, "fault.nan_at_step", f.nan_at_step,
-               f"must be a step in 0..{t.steps - 1} (train.steps={t.steps}), or it never happens")
+    check_faults(cfg)
     _validate_optim(cfg.optim)
     _validate_sparse(cfg.sparse)
     # A worker's row cache hands its held gradients over before each checkpoint step, which it
