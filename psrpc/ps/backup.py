@@ -4,6 +4,7 @@ shard, and the backup's `Backlog`."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from typing import Optional
@@ -13,8 +14,10 @@ import torch
 from psrpc.cluster import shm, sidechannel
 from psrpc.errors import PsrpcError
 from psrpc.ps import ring
-from psrpc.ps.replicas import Journal, Update, digest_of, replayed
+from psrpc.ps.replicas import Journal, Update, digest_of, fence, replayed, unfence
 from psrpc.ps.snapshots import ShardSnapshots
+
+log = logging.getLogger(__name__)
 
 
 class Backlog:
@@ -31,6 +34,8 @@ class Backlog:
     def __init__(self, shard):
         self.shard = shard
         self.applied = 0  # the seq of the last update applied
+        self.base = 0  # the seq it was copied at (0: built from the spec, as its primary was)
+        self._origins: list[tuple[int, str]] = []  # (first seq, the primary that sent it on)
         self._held: dict[int, Update] = {}
         self._waiting: list[tuple[int, torch.futures.Future]] = []
         self._cv = threading.Condition()
@@ -44,6 +49,11 @@ class Backlog:
         thread woken per update). The Future completes once at most WINDOW are unapplied."""
         fut = torch.futures.Future()
         with self._cv:
+            clash = next(filter(None, map(self._clash, updates)), None)
+            if clash is not None:  # (never held: the primary gives this copy up)
+                log.error("%s", clash)
+                fut.set_exception(PsrpcError(clash))
+                return fut
             for u in updates:
                 if u.seq > self.applied:
                     self._held[u.seq] = u
@@ -65,6 +75,21 @@ class Backlog:
             fut.set_result(True)
         return fut
 
+    def _clash(self, u: Update) -> Optional[str]:
+        """Under the lock: why `u` must be refused (its number held or applied already, from
+        another primary: two histories of one shard), or None."""
+        held = self._held.get(u.seq)
+        if held is not None:
+            other = held.origin
+        elif u.seq <= self.applied:
+            other = next((o for first, o in reversed(self._origins) if first <= u.seq), None)
+        else:
+            return None
+        if other is None or other == u.origin:  # (older than its copy; sent again)
+            return None
+        return (f"{self.shard.name}: refused update {u.seq} from primary {u.origin}: this backup "
+                f"has update {u.seq} from primary {other} (two histories of one shard)")
+
     def _apply_held(self) -> None:
         """Apply the updates held in order from the next (`_busy` set by the caller)."""
         while True:
@@ -77,6 +102,8 @@ class Backlog:
             self.shard.apply_update(u)
             with self._cv:
                 self.applied = u.seq
+                if not self._origins or self._origins[-1][1] != u.origin:
+                    self._origins.append((u.seq, u.origin))
                 ready = [f for t, f in self._waiting if t <= u.seq]
                 self._waiting = [(t, f) for t, f in self._waiting if t > u.seq]
             for f in ready:
@@ -128,7 +155,7 @@ class Replicated:
         """A copy of the counters (scalars and two dicts of them: no deep copy needed)."""
         out = dict(vars(self.stats))
         out.update(per_worker_applied=dict(out["per_worker_applied"]),
-                   per_worker_stale=dict(out["per_worker_stale"]))
+                   per_worker_stale=dict(out["per_worker_stale"]), short=dict(out["short"]))
         return out
 
     def replicate_to(self, backups: list[str], channels: Optional[dict] = None) -> None:
@@ -143,8 +170,9 @@ class Replicated:
             j.channels.update(channels or {})
 
     def _journal(self) -> Journal:
-        """Under the lock: this primary's Journal, made on first use (a call's timeout: a
-        round's wait plus a minute, as the workers' calls default to)."""
+        """Under the lock: this primary's Journal, made on first use (an update to a backup
+        being copied may wait for the copy: as long as a round's wait plus a minute, as the
+        workers' calls default to)."""
         if self.journal is None:
             self.journal = Journal(self, [], float(self.spec.update.timeout_s) + 60.0)
         return self.journal
@@ -226,7 +254,7 @@ class Replicated:
 
     def _load_common(self, state: dict, seq: int) -> None:
         self.version = state["version"]
-        self.backlog.applied = seq
+        self.backlog.applied = self.backlog.base = seq
         self.stats = type(self.stats)(**state["stats"])
         self.max_steps = state.get("max_steps", self.max_steps)
         self.losses.clear()
@@ -234,28 +262,41 @@ class Replicated:
 
     def start_copy(self, ps: str) -> tuple:
         """A primary: (spec, state, seq) for a new backup on `ps`, taken under the lock; from
-        now on every update goes to `ps` too (not waited for until `copy_done`)."""
+        now on every update goes to `ps` too (not waited for until `copy_done`). The copy is
+        fenced until then: replies do not wait for it, so it may lack what workers saw."""
         with self.lock:
-            self._journal()
+            j = self._journal()
             state = self._snapshot(self.version)
             state.update(max_steps=self.max_steps, losses=list(self.losses))
-            for names in (self.journal.live, self.journal.copying):
+            for names in (j.live, j.copying):
                 if ps in names:
                     names.remove(ps)
-            self.journal.copying.append(ps)
-            self.journal.dropped.discard(ps)
-            self.journal.name(ps)
-            return self.spec, state, self.journal.seq
+            j.copying.append(ps)
+            j.dropped.discard(ps)
+            j.name(ps)
+            fence(self.index, ps, j.seq + 1)
+            return self.spec, state, j.seq
 
-    def copy_done(self, ps: str, channels: Optional[dict] = None) -> None:
+    def copy_done(self, ps: str, channels: Optional[dict] = None) -> bool:
+        """The backup on `ps` is built: replies wait for it from the next update on, and once
+        it holds every update sent during the copy, its fence is lifted. Returns whether it
+        is in step (else it missed one and was given up)."""
         with self.lock:
-            if ps in self.journal.copying:
-                self.journal.copying.remove(ps)
-                self.journal.live.append(ps)
-                self.journal.channels.update(channels or {})
+            j = self.journal
+            if ps not in j.copying:
+                return False
+            j.copying.remove(ps)
+            j.live.append(ps)
+            j.channels.update(channels or {})
+            sent = j.sent_to_copy.pop(ps, [])
+        if not all(torch.futures.wait_all(sent)):  # (each True once the copy holds it)
+            return False
+        unfence(self.index, ps)
+        return True
 
     def copy_failed(self, ps: str) -> None:
         with self.lock:
+            self.journal.sent_to_copy.pop(ps, None)
             if ps in self.journal.copying:
                 self.journal.copying.remove(ps)
 

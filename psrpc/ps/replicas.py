@@ -28,19 +28,26 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
-from psrpc.cluster import comm, sidechannel
+from psrpc.cluster import comm, membership, sidechannel, store
 from psrpc.errors import PsrpcError, first_line
+from psrpc.ps import ring
 from psrpc.ps.ring import Ring, ringed
 
 log = logging.getLogger(__name__)
 
 BACKUP = 1 << 24  # a backup of shard g is registered under BACKUP + g on its PS
+# How long a primary waits for a backup to take an update (its acknowledgement over TensorPipe,
+# a send into its socket) before giving it up: well under the workers' RPC timeout
+# (update.timeout_s + 60 s), so that a hung backup is given up, not the workers' calls. Slow is
+# not dead: a backup that only lags slows its primary down for up to this long.
+ACK_TIMEOUT_S = 10.0
 
 
 def backup_key(index: int) -> int:
@@ -62,6 +69,8 @@ class Update:
     stats: dict
     losses: list
     max_steps: int
+    origin: str = ""  # which primary sent it (a Journal's token): a backup refuses an update
+    # whose number it already applied from another
 
 
 def replayed(ops: list) -> list:
@@ -82,7 +91,7 @@ def _cloned(x: Any) -> Any:
     if torch.is_tensor(x):
         return x.clone()
     if isinstance(x, Update):
-        return Update(x.index, x.seq, x.version, _cloned(x.ops), x.stats, x.losses, x.max_steps)
+        return replace(x, ops=_cloned(x.ops))
     if isinstance(x, dict):
         return {k: _cloned(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -94,19 +103,24 @@ class Journal:
     """On a primary: where its backups are and which of their acknowledgements a reply waits
     for. Every method but `gate` runs under the shard's lock."""
 
-    def __init__(self, shard, backups: list[str], timeout_s: float):
-        self.shard, self.timeout_s = shard, timeout_s
+    def __init__(self, shard, backups: list[str], copy_timeout_s: float):
+        self.shard, self.copy_timeout_s = shard, copy_timeout_s
+        self.origin = secrets.token_hex(6)  # this primary's name on its updates
         self.live: list[str] = list(backups)  # PS names whose backup is in step
         self.copying: list[str] = []  # being created from a copy: not waited for yet
         self._ops: list = []
         self._acks: dict[int, torch.futures.Future] = {}  # version -> all live backups have it
+        self._acks_lock = threading.Lock()  # (their callbacks may run under the shard's lock)
         self.seq = 0  # updates sent (a backup built from a copy starts at the copy's)
         self.channels: dict = {}  # PS name -> side channel (psrpc/cluster/sidechannel.py)
         self.rings: dict[str, Optional[Ring]] = {}  # PS name -> ring (psrpc/ps/ring.py)
         self.in_rings = 0  # updates whose gradient went through a ring
         self.tokens: dict[str, int] = {}  # PS name -> which backup there (see `name`)
+        self.sent_to_copy: dict[str, list] = {}  # PS name -> its copy's updates, not waited
+        # for (each Future True once it holds it): `copy_done` waits for them
         self.dropped: set[str] = set()  # PS whose backup missed an update: only a new copy
-        # there is one again (it would wait for that update for ever)
+        # there is one again (it would wait for that update for ever). The copy there knows it
+        # too, through its fence (`fence`), which outlives this primary.
 
     @property
     def targets(self) -> list[str]:
@@ -126,9 +140,11 @@ class Journal:
         shard = self.shard
         self.seq += 1
         update = Update(shard.index, self.seq, version, shard.replica_ops(ops),
-                        shard.stats_dict(), list(shard.losses), shard.max_steps)
+                        shard.stats_dict(), list(shard.losses), shard.max_steps, self.origin)
         waited, held = [], None
-        for ps in self.targets:
+        for n, ps in enumerate(self.targets):
+            if n:  # (fault.crash_point=between_backups: this PS dies here)
+                shard.faults.between_backups(version)
             token = self.tokens.get(ps, 0)
             channel = self.channels.get(ps) if ps in self.live else None
             if channel is not None and shard.sends_oneway():  # a PS on this host: its Unix
@@ -141,21 +157,25 @@ class Journal:
                     channel.send([(comm.Handle(ps, backup_key(shard.index)), "replay",
                                    ([sent],))], lazy=shard.copies_values())
                 except PsrpcError as e:
-                    self._answered(comm.failed(e), ps, token)
+                    self._taken(comm.failed(e), ps, token, update.seq)
                 continue
             if ps in self.live:  # (a large dense shard's too, where it has no ring: TensorPipe's
                 # one copy beats the socket's for tens of MB)
-                fut = comm.call(ps, apply, (update,), timeout_s=self.timeout_s)
+                fut = comm.call(ps, apply, (update,), timeout_s=ACK_TIMEOUT_S)
             else:  # a copy's reply is not waited for: TensorPipe would read the gradient
                 held = held or _cloned(update)  # after the worker wrote its next into it
-                fut = comm.call(ps, apply, (held, True), timeout_s=self.timeout_s)
-            fut.add_done_callback(lambda f, ps=ps, token=token: self._answered(f, ps, token))
-            if ps in self.live:
-                waited.append(fut)
-        if waited:
-            ack = torch.futures.collect_all(waited)
-            self._acks[version] = ack
-            ack.add_done_callback(lambda _, v=version: self._acks.pop(v, None))
+                fut = comm.call(ps, apply, (held, True), timeout_s=self.copy_timeout_s)
+            # (then: the fence is written before the acknowledgement a reply waits for completes)
+            fut = fut.then(lambda f, ps=ps, token=token, seq=update.seq:
+                           self._taken(f, ps, token, seq))
+            (waited if ps in self.live else self.sent_to_copy.setdefault(ps, [])).append(fut)
+        if waited:  # (a hand-over's update comes at an unchanged version: a reply carrying
+            # that version waits for both)
+            with self._acks_lock:
+                pending = self._acks.get(version)
+                ack = torch.futures.collect_all(waited + ([pending] if pending is not None else []))
+                self._acks[version] = ack
+            ack.add_done_callback(lambda _, v=version, a=ack: self._pop_ack(v, a))
 
     def name(self, ps: str) -> None:
         """`ps` holds a new backup from now on (a copy, a new epoch's): an error of an update
@@ -182,12 +202,20 @@ class Journal:
         if ring is not None:
             ring.close()
 
-    def _answered(self, fut: torch.futures.Future, ps: str, token: int) -> None:
+    def _taken(self, fut: torch.futures.Future, ps: str, token: int, seq: int) -> bool:
+        """A backup's answer to update `seq`: whether it took it. When it did not: its fence
+        first (before any reply carrying that update goes out), then it is given up."""
         try:
             fut.value()
-        except Exception as e:  # on a thread of its own: a send that fails at once completes
-            threading.Thread(target=self._give_up, args=(ps, e, token),  # this Future under
-                             daemon=True).start()  # the shard's lock, in `commit`
+            return True
+        except Exception as e:
+            error = e
+        if self.tokens.get(ps, 0) == token:
+            fence(self.shard.index, ps, seq)
+        # on a thread of its own: a send that fails at once completes this Future under the
+        # shard's lock, in `commit`
+        threading.Thread(target=self._give_up, args=(ps, error, token), daemon=True).start()
+        return False
 
     def _give_up(self, ps: str, e: Exception, token: int) -> None:
         with self.shard.lock:
@@ -199,10 +227,17 @@ class Journal:
                     names.remove(ps)
             self.dropped.add(ps)
             self.channels.pop(ps, None)
+            self.sent_to_copy.pop(ps, None)
             self._drop_ring(ps)
         if gone:
             log.warning("%s: its backup on %s did not take an update (%s); going on without "
-                        "it", self.shard.name, ps, first_line(e))
+                        "it (fenced: never promoted; the next membership epoch replaces it)",
+                        self.shard.name, ps, first_line(e))
+
+    def _pop_ack(self, version: int, ack: torch.futures.Future) -> None:
+        with self._acks_lock:
+            if self._acks.get(version) is ack:
+                del self._acks[version]
 
     def acked(self) -> bool:
         """Whether an update may wait for a backup's acknowledgement: one elsewhere, one being
@@ -219,7 +254,7 @@ class Journal:
             return future
 
         def replied(reply, out):
-            with self.shard.lock:
+            with self._acks_lock:
                 ack = self._acks.get(getattr(reply, "version", None))
             if ack is None:
                 out.set_result(reply)
@@ -271,6 +306,76 @@ def local_backups() -> list[int]:
     return sorted(k - BACKUP for k in comm.registered() if k >= BACKUP)
 
 
+# -- fences: a given-up copy knows it ------------------------------------------------------------
+def _fence_key(index: int, ps: str) -> str:
+    return membership.run_prefix("fence") + f"{index}/{ps}"
+
+
+def fence(index: int, ps: str, seq: int) -> None:
+    """The primary of shard `index` gave up its backup on `ps`, which does not hold update
+    `seq`: recorded in the run's store, which outlives the primary (its own record, the
+    Journal's `dropped`, dies with it), before any reply carrying that update goes out. Only
+    a copy made after that update clears it (`fenced`)."""
+    try:
+        store.store().set(_fence_key(index, ps), str(seq))
+    except Exception as e:  # (no store: no membership epochs either, so no promotion)
+        log.warning("shard %d: could not record that its backup on %s lacks update %d (%s)",
+                    index, ps, seq, first_line(e))
+
+
+def unfence(index: int, ps: str) -> None:
+    """The copy of shard `index` on `ps` is in step with its primary (a new copy: every
+    update sent during the copy is held there)."""
+    try:
+        store.store().delete_key(_fence_key(index, ps))
+    except Exception as e:  # (no store: no membership epochs either, so no promotion)
+        log.warning("shard %d: could not record that its backup on %s is in step (%s)",
+                    index, ps, first_line(e))
+
+
+def fenced(index: int, ps: str, base: int) -> Optional[int]:
+    """The update that the backup of shard `index` on `ps`, copied at update `base` (0: from
+    the start), lacks because its primary gave it up; None where it was never given up."""
+    try:
+        s = store.store()
+        key = _fence_key(index, ps)
+        seq = int(s.get(key)) if s.check([key]) else None
+    except Exception:  # (no store: no membership epochs either, so no promotion)
+        return None
+    return seq if seq is not None and base < seq else None
+
+
+def standings() -> dict[int, dict]:
+    """Per backup held here, once it applied everything its primary left in its socket: what
+    the chief weighs to pick one for a promotion: `seq` (the last update it applied: the most
+    advanced copy has the highest), `version`, and `fenced` (the update it lacks because its
+    primary gave it up, or None)."""
+    sidechannel.settle()
+    out = {}
+    for key, backup in list(comm.registered().items()):
+        if key < BACKUP:
+            continue
+        backup.backlog.drain()
+        base, seq = backup.backlog.base, backup.backlog.applied
+        out[key - BACKUP] = {"seq": seq, "version": backup.version,
+                             "fenced": fenced(key - BACKUP, comm.me(), base)}
+    return out
+
+
+def drop_backup(index: int) -> bool:
+    """Forget this PS's backup of shard `index` (given up, or behind the one promoted; a new
+    copy replaces it) and the updates held for one being copied. Returns whether it held one."""
+    with _LOCK:
+        backup = comm.registered().pop(backup_key(index), None)
+        early = _EARLY.pop(index, {})
+    for _, fut in early.values():
+        fut.set_exception(PsrpcError(f"the backup of shard {index} here was dropped"))
+    if backup is not None:
+        backup.close()
+        ring.unmap(index)
+    return backup is not None
+
+
 def promote(index: int) -> int:
     """The primary of shard `index` is lost: this PS's backup becomes it (the plan's Handle
     points here from this epoch on). Returns its version."""
@@ -297,17 +402,22 @@ def live_backups(index: int) -> list[str]:
     return [] if journal is None else journal.targets
 
 
-def channels(names: list[str], timeout_s: float = 30.0) -> dict:
-    """The side channels to those of these PS that run on this host (the others: none)."""
+def channels(names: list[str], timeout_s: float = ACK_TIMEOUT_S) -> dict:
+    """The side channels to those of these PS that run on this host (the others: none); a
+    send that cannot go into a backup's socket within `timeout_s` gives that backup up."""
     out = {n: sidechannel.connect(n, timeout_s) for n in names}
     return {n: c for n, c in out.items() if c is not None}
 
 
 def digests() -> dict[int, tuple[str, str]]:
-    """Per shard held here: ("primary" or "backup", a digest of its state)."""
+    """Per shard held here: ("primary", "backup" or "given_up": a backup its primary gave up,
+    known stale; a digest of its state)."""
     out = {}
     for key, shard in list(comm.registered().items()):
-        out[key % BACKUP] = ("backup" if key >= BACKUP else "primary", shard.digest())
+        role = "primary" if key < BACKUP else "backup"
+        if role == "backup" and fenced(key - BACKUP, comm.me(), shard.backlog.base) is not None:
+            role = "given_up"
+        out[key % BACKUP] = (role, shard.digest())
     return out
 
 
@@ -338,7 +448,10 @@ def drop_backups() -> None:
     with _LOCK:
         for key in [k for k in comm.registered() if k >= BACKUP]:
             comm.registered().pop(key).close()
+        early = [fut for held in _EARLY.values() for _, fut in held.values()]
         _EARLY.clear()
+    for fut in early:
+        fut.set_exception(PsrpcError("the backups here were dropped (a roll back)"))
 
 
 def placement(num_ps: int, replicas: int, hosts: list[str]) -> list[list[int]]:

@@ -112,6 +112,14 @@ def applied(ops: list, seq: int) -> None:
             _MAPPED[op[1].name][1].fill_(seq)
 
 
+def unmap(index: int) -> None:
+    """On a PS whose backup of shard `index` is dropped: the rings it read, unmapped (its
+    primary, alive, removes them)."""
+    with _LOCK:
+        for name in [n for n in _MAPPED if f"-s{index}-ring" in n]:
+            del _MAPPED[name]
+
+
 def forget(index: int) -> None:
     """On a promoted backup of shard `index`: the rings of its dead primary, unmapped and
     removed."""

@@ -56,13 +56,18 @@ def copy_to(index: int, ps: str, timeout_s: float, side: bool = False) -> int:
     on: the state now, taken under the lock, and from then on every update (not waited for
     until the backup exists). Returns the version copied."""
     shard = comm.registered()[index]
+    # a copy given up there before (fenced) goes first: the updates sent from now on are the
+    # new copy's
+    comm.call_sync(ps, replicas.drop_backup, (index,), timeout_s=timeout_s)
     spec, state, seq = shard.start_copy(ps)
     try:
         comm.call_sync(ps, create_backup, (spec, state, seq), timeout_s=timeout_s)
     except Exception as e:
         shard.copy_failed(ps)
         raise PsrpcError(f"{shard.name}: copying it to {ps} failed: {first_line(e)}") from e
-    shard.copy_done(ps, replicas.channels([ps]) if side else {})
+    if not shard.copy_done(ps, replicas.channels([ps]) if side else {}):
+        raise PsrpcError(f"{shard.name}: its new copy on {ps} missed an update sent during "
+                         "the copy (given up; the next membership epoch copies it again)")
     return state["version"]
 
 
