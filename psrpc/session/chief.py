@@ -136,7 +136,7 @@ class Chief:
         held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
         found = {index for part in held for index in part}
         rolled_back, failovers = None, []
-        if found != {h.key for h in self.plan.every_shard} and self.cfg.cluster.ps_replicas:
+        if self.cfg.cluster.ps_replicas:  # (also drops the copies given up meanwhile)
             self.plan, failovers = failover.fail_over(self.cfg, self.topo, self.plan, found)
         shards = self.plan.every_shard
         if found | {f["shard"] for f in failovers} == {h.key for h in shards}:  # line them up

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -19,6 +20,7 @@ from psrpc.session.bootstrap import backup_map
 from psrpc.worker.plan import Plan
 
 log = logging.getLogger(__name__)
+DIGEST_TIMEOUT_S = 30.0  # the end's comparison of every copy: settled sockets, drained backlogs
 
 
 def _copied(fut: torch.futures.Future, handle, ps: str) -> None:
@@ -31,31 +33,85 @@ def _copied(fut: torch.futures.Future, handle, ps: str) -> None:
 
 
 def fail_over(cfg: Config, topo: Topology, plan: Plan, found: set[int]) -> tuple[Plan, list]:
-    """cluster.ps_replicas: each shard whose primary is gone is served from now on by a
-    backup (promoted on its PS; the plan's Handle points there). Returns the plan and what
-    moved, or [] (nothing promoted) when some lost shard has no copy left: then every shard
-    rolls back, as without replicas."""
+    """cluster.ps_replicas, in every membership epoch: each shard whose primary is gone is
+    served from now on by its most advanced copy that was never given up (promoted on its PS;
+    the plan's Handle points there), and every copy given up or behind the one promoted is
+    dropped (a new one replaces it). Returns the plan and what moved, or [] (nothing promoted)
+    when some lost shard has no such copy, or (sync) only one behind the cluster's step: then
+    every shard rolls back, as without replicas, with a line saying why."""
     names = topo.ps_names
-    held = dict(zip(names, comm.wait_all([comm.call(n, replicas.local_backups)
-                                          for n in names])))
+    held = dict(zip(names, comm.wait_all([comm.call(n, replicas.standings) for n in names])))
     lost = [h for h in plan.every_shard if h.key not in found]
-    where = {h.key: next((n for n in names if h.key in held[n]), None) for h in lost}
-    if any(n is None for n in where.values()):
-        gone = sorted(k for k, n in where.items() if n is None)
-        log.warning("shards %s lost every copy (their primary and cluster.ps_replicas=%d "
-                    "backups): rolling every shard back to the last checkpoint", gone,
-                    cfg.cluster.ps_replicas)
+    chosen = {h.key: _most_advanced(held, h.key) for h in lost}
+    why = _no_promotion(cfg, plan, found, held, chosen)
+    _drop(held, chosen)
+    if why is not None:
+        log.warning("%s: rolling every shard back to the last checkpoint", why)
         return plan, []
-    versions = comm.wait_all([comm.call(where[h.key], replicas.promote, (h.key,))
+    if not lost:
+        return plan, []
+    versions = comm.wait_all([comm.call(chosen[h.key], replicas.promote, (h.key,))
                               for h in lost])
-    moved = {h.key: comm.Handle(where[h.key], h.key) for h in lost}
+    moved = {h.key: comm.Handle(chosen[h.key], h.key) for h in lost}
     plan = replace(
         plan, shards=[[moved.get(h.key, h) for h in stage] for stage in plan.shards],
         table_shards=[moved.get(h.key, h) for h in plan.table_shards],
         # (a worker started later takes no shared memory with a backup: it has none)
         shared=[None if g in moved else x for g, x in enumerate(plan.shared)])
-    return plan, [{"shard": h.key, "from": h.owner, "to": where[h.key], "version": v}
+    return plan, [{"shard": h.key, "from": h.owner, "to": chosen[h.key], "version": v}
                   for h, v in zip(lost, versions)]
+
+
+def _most_advanced(held: dict[str, dict], index: int) -> Optional[str]:
+    """The PS whose copy of shard `index` has applied the most updates among those never given
+    up (ties: the first by name), or None."""
+    best, most = None, -1
+    for name, copies in held.items():
+        c = copies.get(index)
+        if c is not None and c["fenced"] is None and c["seq"] > most:
+            best, most = name, c["seq"]
+    return best
+
+
+def _no_promotion(cfg: Config, plan: Plan, found: set[int], held: dict,
+                  chosen: dict[int, Optional[str]]) -> Optional[str]:
+    """Why the lost shards cannot fail over (a line), or None."""
+    none = sorted(k for k, n in chosen.items() if n is None)
+    if none:
+        given_up = {k: [f"{n} (lacks update {c[k]['fenced']})" for n, c in held.items()
+                        if k in c and c[k]["fenced"] is not None] for k in none}
+        return ("shards %s lost every copy (their primary and cluster.ps_replicas=%d backups)%s"
+                % (none, cfg.cluster.ps_replicas, "".join(
+                    f"; shard {k}'s copies on {', '.join(v)} were given up by its primary"
+                    for k, v in given_up.items() if v)))
+    if cfg.update.name != "sync" or not chosen:
+        return None
+    alive = [h for h in plan.every_shard if h.key in found]
+    steps = [r["version"] for r in comm.wait_all([comm.invoke(h, "report") for h in alive])]
+    steps += [held[n][k]["version"] for k, n in chosen.items()]
+    behind = {k: held[n][k]["version"] for k, n in chosen.items()
+              if held[n][k]["version"] < max(steps) - 1}
+    if behind:  # (a sync step lost with a PS is pushed again: one behind is lined up)
+        return (f"the most advanced copies of shards {sorted(behind)} are at steps "
+                f"{[behind[k] for k in sorted(behind)]}, behind the cluster's step {max(steps)}")
+    return None
+
+
+def _drop(held: dict[str, dict], chosen: dict[int, Optional[str]]) -> None:
+    """Drop every copy given up by its primary (fenced), and every copy of a lost shard
+    behind the one promoted: none of them is a backup any more, a new copy replaces it."""
+    drops = []
+    for name, copies in held.items():
+        for k, c in copies.items():
+            best = chosen.get(k)
+            behind = best is not None and c["seq"] < held[best][k]["seq"]
+            if c["fenced"] is not None or behind:
+                log.warning("shard %d: its copy on %s is dropped (%s)", k, name,
+                            f"given up by its primary: it lacks update {c['fenced']}"
+                            if c["fenced"] is not None else
+                            f"at update {c['seq']}, behind {best}'s {held[best][k]['seq']}")
+                drops.append(comm.call(name, replicas.drop_backup, (k,)))
+    comm.wait_all(drops)
 
 
 def _held_backups(topo: Topology) -> dict[str, list[int]]:
@@ -114,20 +170,29 @@ def compare_replicas(cfg: Config, topo: Topology) -> dict:
     if not cfg.cluster.ps_replicas:
         return {}
     names = topo.ps_names
-    found = comm.wait_all([comm.call(n, replicas.digests) for n in names])
+    try:  # a diagnostic: a backup wedged after the last step costs no output
+        found = comm.wait_all([comm.call(n, replicas.digests, timeout_s=DIGEST_TIMEOUT_S)
+                               for n in names])
+    except Exception as e:
+        why = f"the copies' digests did not come: {first_line(e)}"
+        log.warning("replicas: %s", why)
+        return {"replicas": {"agree": None, "why": why}}
     copies: dict[int, dict] = {}
     for name, held in zip(names, found):
         for index, (role, digest) in held.items():
-            copies.setdefault(index, {"primary": None, "backups": {}})
+            c = copies.setdefault(index, {"primary": None, "backups": {}, "given_up": []})
             if role == "primary":
-                copies[index]["primary"] = (name, digest)
+                c["primary"] = (name, digest)
+            elif role == "given_up":  # (known stale: replaced in the next membership epoch)
+                c["given_up"].append(name)
             else:
-                copies[index]["backups"][name] = digest
-    agree = all(c["primary"] is not None and c["backups"] and all(
+                c["backups"][name] = digest
+    agree = all(c["primary"] is not None and (c["backups"] or c["given_up"]) and all(
         d == c["primary"][1] for d in c["backups"].values()) for c in copies.values())
     return {"replicas": {"agree": agree, "copies": {
         k: {"primary": c["primary"][0] if c["primary"] else None,
-            "backups": sorted(c["backups"])} for k, c in sorted(copies.items())}}}
+            "backups": sorted(c["backups"]), "given_up": sorted(c["given_up"])}
+        for k, c in sorted(copies.items())}}}
 
 
 def _home(plan: Plan, handle) -> int:
