@@ -75,6 +75,8 @@ def listen() -> tuple[str, str]:
             server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             server.bind(name)
             server.listen(64)
+            server.setblocking(False)  # (accepted only once select says one waits)
+            _listening.append(server)
             threading.Thread(target=_accept, args=(server,), daemon=True,
                              name="psrpc-sidechannel").start()
             _address = name
@@ -82,7 +84,8 @@ def listen() -> tuple[str, str]:
 
 
 _served: dict = {}  # the PS's connections (to workers, to other PS) open now -> their _Peer
-_served_lock = threading.Lock()
+_served_lock = threading.Lock()  # also held from a connection's accept to its _Peer
+_listening: list = []  # the listener (settle asks it whether a connection waits to be accepted)
 
 
 def _drop_all() -> None:
@@ -103,19 +106,24 @@ comm.on_leave(_drop_all)
 
 def _accept(server: socket.socket) -> None:
     while True:
-        try:
-            conn, _ = server.accept()
-            pid, uid = peer_uid(conn)
-        except OSError as e:  # out of descriptors, a peer gone before its accept: go on
-            log.warning("side channel: accept failed: %s", first_line(e))
-            time.sleep(0.1)
-            continue
+        select.select([server], [], [])
+        with _served_lock:  # (settle sees the connection waiting, or served: never between)
+            try:
+                conn, _ = server.accept()
+                conn.setblocking(True)
+                pid, uid = peer_uid(conn)
+            except BlockingIOError:  # (its peer gave up meanwhile)
+                continue
+            except OSError as e:  # out of descriptors, a peer gone before its accept: go on
+                log.warning("side channel: accept failed: %s", first_line(e))
+                time.sleep(0.1)
+                continue
+            if uid == os.getuid():
+                _served[conn] = _Peer(conn)
         if uid != os.getuid():
             log.warning("side channel: refused a connection from pid %d of user %d", pid, uid)
             conn.close()
             continue
-        with _served_lock:
-            _served[conn] = _Peer(conn)
         threading.Thread(target=_serve, args=(conn,), daemon=True,
                          name="psrpc-sidechannel-peer").start()
 
@@ -144,12 +152,14 @@ def settle(timeout_s: float = 30.0) -> None:
     """Until every message with no reply (`SideChannel.send`) queued here has been taken: each
     connection's stream ended, or nothing is queued on it and its reader waits for the next. A
     promoted backup first reads what its dead primary left in the socket (every connection, not
-    only the ones that brought it messages before: the first one may still be queued)."""
+    only the ones that brought it messages before: the first one may still be queued; and one
+    still waiting to be accepted)."""
     deadline = time.monotonic() + timeout_s
     while True:
         with _served_lock:
             peers = list(_served.values())
-        if all(p.settled() for p in peers):
+            waiting = bool(_listening) and bool(select.select(_listening, [], [], 0)[0])
+        if not waiting and all(p.settled() for p in peers):
             return
         if time.monotonic() > deadline:
             raise PsrpcError(f"side channel: the messages queued here were not all taken "
