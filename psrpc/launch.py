@@ -44,6 +44,9 @@ log = logging.getLogger("psrpc")
 # is skipped). torchrun gives 30 s between its SIGTERM and SIGKILL: the same here.
 SIGNAL_GRACE_S = 30.0
 FAILURE_GRACE_S = 0.0  # a rank failed (or the run timed out): SIGKILL at once, no outputs as if done
+# The chief has written the outputs and told every rank to stop: one still there after this long
+# is hung (stopped, wedged in a call) and is ended, with a line; the run has succeeded
+AFTER_CHIEF_S = 30.0
 
 
 class ClusterFailed(PsrpcError):
@@ -155,6 +158,7 @@ class _Cluster:
         self.lost: list[str] = []
         self.epoch = 0
         self.restarts: dict[str, int] = {}
+        self.chief_done: Optional[float] = None  # when the chief exited with 0
         membership.open_attempt(store, attempt)
 
     def _start(self, rank: int) -> None:
@@ -191,6 +195,8 @@ class _Cluster:
                     failed += lost
                 if failed:
                     raise ClusterFailed(_root_cause(failed, self.procs, self.errors, self.lost))
+                if self._hung_after_chief(running):
+                    break
                 time.sleep(0.05)
             return self.lost
         finally:
@@ -198,6 +204,19 @@ class _Cluster:
                        SIGNAL_GRACE_S if stop.received else FAILURE_GRACE_S, stop)
             stop.restore()
             shutil.rmtree(self.errors, ignore_errors=True)
+
+    def _hung_after_chief(self, running: dict) -> bool:
+        """Whether the chief ended well AFTER_CHIEF_S ago and ranks are still there (they are
+        then ended: the outputs are written, nothing waits for them)."""
+        chief = self.procs[self.topo.chief_name]
+        if chief.exitcode != 0 or not running:
+            return False
+        self.chief_done = self.chief_done or time.monotonic()
+        if time.monotonic() - self.chief_done < AFTER_CHIEF_S:
+            return False
+        log.warning("%s still there %g s after the chief finished (hung or stopped): ending it",
+                    ", ".join(sorted(running)), AFTER_CHIEF_S)
+        return True
 
     def _recover(self, names: list[str]) -> tuple[list[str], list[str]]:
         """Ranks killed by a signal: each is started again (one new membership epoch for all
