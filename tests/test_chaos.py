@@ -224,24 +224,31 @@ def test_a_difference_is_silent_unless_the_summary_names_why():
 
 
 def test_the_summary_names_why_a_sync_run_is_inexact():
-    """summary["inexact"] derives from the shards' counts: W gradients a step each, else a
-    round closed without a worker; a lost worker; backup workers; a dense all-reduce failover."""
+    """summary["inexact"]: W gradients a step on each shard, else each cause the shard counted
+    for a round without a worker, named; a shortfall no counter explains is UNEXPLAINED, which
+    the oracle takes for no reason at all."""
     from psrpc.session.outputs import inexact
 
-    def cfg(dense="ps", per_round=None, name="sync"):
-        return SimpleNamespace(update=SimpleNamespace(name=name, dense=dense,
-                                                      replicas_to_aggregate=per_round))
+    def cfg(name="sync"):
+        return SimpleNamespace(update=SimpleNamespace(name=name))
     topo = SimpleNamespace(num_workers=2)
-    full = [{"shard": 0, "version": 30, "per_worker_applied": {0: 30, 1: 30}}]
-    short = [{"shard": 0, "version": 30, "per_worker_applied": {0: 30, 1: 28}}]
-    failover = [{"failovers": [{"shard": 0}]}]
-    assert inexact(cfg(), topo, full, [], failover) == []
-    assert inexact(cfg(name="async"), topo, short, [1]) == []
+    full = [{"shard": 0, "version": 30, "per_worker_applied": {0: 30, 1: 30}, "short": {}}]
+    timed_out = [{"shard": 0, "version": 30, "per_worker_applied": {0: 30, 1: 28},
+                  "short": {"timeout": 2}}]
+    passed = [{"shard": 0, "version": 30, "per_worker_applied": {0: 29, 1: 29},
+               "short": {"passed": 2}}]
+    unexplained = [{"shard": 0, "version": 30, "per_worker_applied": {0: 30, 1: 28},
+                    "short": {}}]
+    assert inexact(cfg(), topo, full, []) == []
+    assert inexact(cfg(name="async"), topo, timed_out, [1]) == []
     assert inexact(cfg(), topo, full, [1]) == ["workers lost for good: worker1"]
-    (why,) = inexact(cfg(), topo, short, [])
-    assert "shard 0: 2 gradients missing" in why
-    assert len(inexact(cfg("allreduce"), topo, short, [], failover)) == 2
-    assert "replicas_to_aggregate=1" in inexact(cfg(per_round=1), topo, short, [])[0]
+    (why,) = inexact(cfg(), topo, timed_out, [])
+    assert "update.timeout_s" in why and "(2 gradients)" in why
+    assert "passed without an update" in inexact(cfg(), topo, passed, [])[0]
+    (why,) = inexact(cfg(), topo, unexplained, [])
+    assert why.startswith("UNEXPLAINED") and "2 gradients" in why
+    summary = {"inexact": [why]}
+    assert chaos_oracle.verdict(["model.pt w: differs"], summary).startswith("SILENT")
 
 
 def test_the_replica_campaign_covers_every_dimension(tmp_path):

@@ -228,6 +228,7 @@ class Shard(Replicated, PushChecks):
         with self.lock:
             while self.version < min(target, self.max_steps):
                 self.count_step()
+                self.stats.missed("passed", self.num_workers)
                 self.advance()
             if hasattr(self.updater, "caught_up"):
                 self.updater.caught_up()
@@ -248,6 +249,7 @@ class Shard(Replicated, PushChecks):
                     "mean_staleness": s.staleness_sum / max(1, s.applied_pushes),
                     "per_worker_applied": dict(s.per_worker_applied),
                     "per_worker_stale": dict(s.per_worker_stale), "host_sums": s.host_sums,
+                    "short": dict(s.short),
                     "loss": self.recent_loss, "busy_s": round(s.busy_s, 4),
                     "ps": self.name.split("/")[0],
                     "workers_lost": sorted(self.updater.live.lost),

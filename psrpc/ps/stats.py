@@ -17,6 +17,16 @@ class ShardStats:
     host_sums: int = 0  # pushes that carried a host's sum of several workers' (update.host_push)
     per_worker_applied: dict = field(default_factory=dict)
     per_worker_stale: dict = field(default_factory=dict)
+    # sync: gradients missing from the rounds this shard closed, by why (each a designed way
+    # for a round to close short of every worker): "timeout" (update.timeout_s), "lost" (a
+    # worker counted lost earlier), "backup_workers" (replicas_to_aggregate < W), "rejected"
+    # (non-finite), "void" (computed across an update), "epoch" (a round the old group left),
+    # "passed" (a step passed without an update to line the shards up: every worker's)
+    short: dict = field(default_factory=dict)
+
+    def missed(self, why: str, count: int) -> None:
+        if count > 0:
+            self.short[why] = self.short.get(why, 0) + count
 
     def applied(self, worker: int, samples: int, staleness: int = 0) -> None:
         self.applied_pushes += 1

@@ -62,6 +62,7 @@ class SyncAggregator:
         self._losses: dict[int, float] = {}
         # pushed a non-finite or a void gradient: in the round, no vote
         self._excused: set[int] = set()
+        self._void = 0  # of them: void gradients (the rest non-finite)
         self._samples = 0
         self._opened: Optional[float] = None
         self._future = torch.futures.Future()
@@ -100,6 +101,7 @@ class SyncAggregator:
             if void:
                 shard.stats.stale(worker)
                 self._excused.add(worker)
+                self._void += 1
             elif grad is None or (host is not None and not host.workers):
                 for w in block:
                     shard.count_nonfinite(w, version)
@@ -151,11 +153,13 @@ class SyncAggregator:
                                "expected the workers of the aligned block of 2^level starting "
                                "at the pusher, each once, a loss for each in the sum")
 
-    def _close_round(self):
+    def _close_round(self, absent: Optional[str] = None):
         """Sum in the tree order, average, step, reply. Caller holds the lock; returns
-        (future, reply or exception) to complete outside the lock."""
+        (future, reply or exception) to complete outside the lock. `absent`: why the workers
+        not in the round are missing (default: lost earlier, or backup workers)."""
         shard, future = self.shard, self._future
         workers = sorted(self._summed)
+        self._count_missing(absent)
         try:
             if workers:
                 loss = sum(self._losses[w] for w in workers) / len(workers)
@@ -185,6 +189,14 @@ class SyncAggregator:
         self._new_round()
         return future, reply
 
+    def _count_missing(self, absent: Optional[str]) -> None:
+        """The round's gradients that will not be in its update, by why (ShardStats.short)."""
+        stats = self.shard.stats
+        stats.missed("void", self._void)
+        stats.missed("rejected", len(self._excused) - self._void)
+        why = absent or ("lost" if self.live.lost else "backup_workers")
+        stats.missed(why, self.num_workers - len(self.members))
+
     def _check_timeout(self) -> None:
         shard, done = self.shard, None
         with shard.lock:
@@ -196,7 +208,7 @@ class SyncAggregator:
                             waited, self.timeout_s, len(self.members), self.needed(),
                             ", ".join(f"worker{w}" for w in missing))
                 self.live.lose(missing)
-                done = self._close_round()
+                done = self._close_round("timeout")
         if done is not None:
             comm.resolve_all([done])
 
@@ -209,7 +221,7 @@ class SyncAggregator:
             self._new_round()
         elif self.members:
             self._future = torch.futures.Future()  # no one waits on it any more
-            self._close_round()
+            self._close_round("epoch")
 
     def release(self) -> list:
         """Training is over: answer the open round's waiters (their gradients are discarded)."""

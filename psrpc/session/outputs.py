@@ -142,7 +142,7 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
         "stopped_early": stopped_early,
         "final_checkpoint_error": final_checkpoint_error,  # null: written (or none asked)
         # why the result is not, by design, an uninterrupted run's of this config ([]: it is)
-        "inexact": inexact(cfg, topo, reports, lost, epochs),
+        "inexact": inexact(cfg, topo, reports, lost),
         **_table_traffic(plan, workers),
         **_dense_replicas(cfg, workers),
         "host_push": sorted({w["host_push"] for w in workers.values() if w.get("host_push")}),
@@ -154,34 +154,41 @@ def make_summary(cfg, topo, plan, reports: list[dict], *, wall_s: float, total_s
     }
 
 
-def inexact(cfg, topo, reports: list[dict], lost: list[int], epochs=()) -> list[str]:
+SHORT_BECAUSE = {  # a shard's `short` counters (psrpc/ps/stats.py): why a sync round lacked some
+    "timeout": "rounds closed after update.timeout_s without a worker's gradient",
+    "lost": "rounds closed without workers counted lost",
+    "backup_workers": "update.replicas_to_aggregate < W: a round takes the gradients that "
+                      "come first",
+    "rejected": "non-finite gradients rejected",
+    "void": "gradients computed across an update of a master copy read in place, dropped",
+    "epoch": "rounds left open by a membership epoch's old group, closed with what they had",
+    "passed": "steps passed without an update to line the shards up (a failover under "
+              "update.dense=allreduce, a push the old group lost)",
+}
+
+
+def inexact(cfg, topo, reports: list[dict], lost: list[int]) -> list[str]:
     """update=sync: the reasons this run's result differs from an uninterrupted run's of the
     same config by design ([] where it should be that run's bit for bit, as after a failover
-    with replicas, a rollback or a restart from a checkpoint): backup workers (a round takes
-    the gradients that come first), workers lost for good, rounds closed without every worker's
-    gradient (update.timeout_s, a worker started again mid-round, a rejected or void gradient:
-    each shard counts the gradients it applied, W a step), and under update.dense=allreduce a
-    failover's step passed without its update. [] in async (no run is exact there)."""
+    with replicas, a roll back or a restart from a checkpoint): workers lost for good, and each
+    cause the shards counted for a round without every worker's gradient. Gradients missing
+    that no counter explains are named as such: no design accounts for them. [] in async (no
+    run is exact there)."""
     if cfg.update.name != "sync":
         return []
     W = topo.num_workers
-    per_round = cfg.update.replicas_to_aggregate or W
-    reasons = []
-    if per_round < W:
-        reasons.append(f"update.replicas_to_aggregate={per_round} of {W} workers: a round "
-                       "takes the gradients that come first")
-    if lost:
-        reasons.append("workers lost for good: " + ", ".join(f"worker{w}" for w in lost))
-    short = {r["shard"]: per_round * r["version"] - sum(r["per_worker_applied"].values())
-             for r in reports}
-    short = {k: n for k, n in short.items() if n > 0}
-    if short and per_round == W:
-        worst = max(short, key=short.get)
-        reasons.append(f"sync rounds closed without every worker's gradient on {len(short)} "
-                       f"shards (shard {worst}: {short[worst]} gradients missing)")
-    if short and cfg.update.dense == "allreduce" and any(e.get("failovers") for e in epochs):
-        reasons.append("a failover under update.dense=allreduce: the step the lost PS left "
-                       "unanswered passed without its update (not replayed in that mode)")
+    reasons = ["workers lost for good: " + ", ".join(f"worker{w}" for w in lost)] if lost else []
+    causes: dict[str, int] = {}
+    unexplained = 0
+    for r in reports:
+        missing = W * r["version"] - sum(r["per_worker_applied"].values())
+        for why, n in r.get("short", {}).items():
+            causes[why] = causes.get(why, 0) + n
+        unexplained += max(0, missing - sum(r.get("short", {}).values()))
+    reasons += [f"{SHORT_BECAUSE.get(why, why)} ({n} gradients)" for why, n in sorted(causes.items())]
+    if unexplained:
+        reasons.append(f"UNEXPLAINED: {unexplained} gradients missing from sync rounds that no "
+                       "counter accounts for")
     return reasons
 
 
