@@ -1,0 +1,165 @@
+"""cluster.ps_replicas under a second fault: a backup that stalls (SIGSTOP: hung, not dead) is
+given up and fenced, never promoted later; a primary killed between its sends to two backups
+fails over to the most advanced copy; a copy onto a PS that still holds a given-up backup
+replaces it. The checker is always the uninterrupted run of the same config, bit for bit (a
+roll back to a checkpoint is exact too), never the summary's word for it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_equal_model, run_cluster
+from tests.test_elastic import _children_named
+
+pytestmark = pytest.mark.timeout(400)
+
+# 3 PS, 2 shards (ps1: shard 0, ps0: shard 1); backups: ps0's on ps1, ps1's on ps2, so ps2 holds
+# no primary and stopping it stalls only ps1's replication
+THREE_PS = ["cluster.num_ps=3", "cluster.num_workers=2", "train.steps=400", "train.log_every=1",
+            "fault.slow_worker=1", "fault.slow_s=0.01"]
+REPLICAS = ["cluster.ps_replicas=1"]
+GAVE_UP = "did not take an update"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_cluster(tmp_path_factory.mktemp("plain"), THREE_PS)
+
+
+def _steps(out: Path) -> int:
+    metrics = out / "metrics.jsonl"
+    return metrics.read_text().count("\n") if metrics.exists() else 0
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _one(name: str):
+    (p,) = _children_named({name})  # this test's own rank, never another run's
+    return p
+
+
+def _in_log(out: Path, rank: str, text: str) -> bool:
+    log = out / "logs" / f"{rank}.log"
+    return log.exists() and text in log.read_text()
+
+
+def _in_background(script) -> tuple[threading.Thread, list]:
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(script()), daemon=True)
+    t.start()
+    return t, done
+
+
+def _stall_ps2_until_given_up(out: Path) -> bool:
+    """SIGSTOP ps2 (ps1's backup) at step 20 until ps1 gives it up, then SIGCONT."""
+    if not _wait(lambda: _steps(out) >= 20, 120):
+        return False
+    ps2 = _one("psrpc-ps2")
+    ps2.send_signal(signal.SIGSTOP)
+    try:
+        return _wait(lambda: _in_log(out, "ps1", GAVE_UP), 120)
+    finally:
+        ps2.send_signal(signal.SIGCONT)
+
+
+def test_a_given_up_backup_is_never_promoted_the_run_rolls_back_exactly(tmp_path,
+                                                                         uninterrupted):
+    """ps1's backup on ps2 hangs until ps1 gives it up, comes back, then ps1 is killed: the
+    stale copy (it lacks every update since) is fenced, so every shard rolls back to the
+    checkpoint, with a line, and the result is the uninterrupted run's."""
+    out = tmp_path / "run"
+
+    def script():
+        stalled = _stall_ps2_until_given_up(out)
+        time.sleep(1.0)  # ps2 reads what it still holds; training goes on
+        _one("psrpc-ps1").kill()
+        return stalled
+
+    t, done = _in_background(script)
+    summary, state = run_cluster(out, THREE_PS + REPLICAS + [
+        "checkpoint.every_steps=10", f"checkpoint.dir={tmp_path / 'ck'}"], timeout_s=380)
+    t.join(5)
+    assert done == [True], "the fault was not delivered"
+    (epoch,) = summary["epochs"]
+    assert epoch["rolled_back_to"] is not None and epoch["failovers"] == [], epoch
+    assert _in_log(out, "worker0", "were given up by its primary")
+    assert summary["steps"] == 400
+    assert_equal_model(state, uninterrupted[1])
+
+
+def test_a_hung_backup_is_given_up_and_training_goes_on(tmp_path, uninterrupted):
+    """Over TensorPipe (cluster.shm=off), with update.timeout_s=5: the workers' calls (65 s)
+    outlast the backup's acknowledgement bound, so the hung backup is given up, not the run;
+    hung to the end, the end's comparison of the copies says it could not tell (agree null),
+    and model.pt and summary.json are written all the same."""
+    out = tmp_path / "run"
+
+    def script():
+        if not _wait(lambda: _steps(out) >= 20, 120):
+            return False
+        ps2 = _one("psrpc-ps2")
+        ps2.send_signal(signal.SIGSTOP)  # (the launcher's teardown ends it at the end)
+        return _wait(lambda: _in_log(out, "ps1", GAVE_UP), 120)
+
+    t, done = _in_background(script)
+    summary, state = run_cluster(out, THREE_PS + REPLICAS + [
+        "cluster.shm=off", "update.timeout_s=5"], timeout_s=380)
+    t.join(5)
+    assert done == [True], "the fault was not delivered"
+    assert summary["steps"] == 400 and summary["epochs"] == []
+    assert summary["replicas"]["agree"] is None and summary["replicas"]["why"]
+    assert_equal_model(state, uninterrupted[1])
+
+
+def test_a_new_copy_replaces_a_given_up_backup_on_its_ps(tmp_path, uninterrupted):
+    """ps2's backup of shard 0 is given up; then ps0 is killed (shard 1 fails over to ps1):
+    the epoch drops the given-up copy and copies shard 0 to ps2 again, and that copy takes
+    every update sent meanwhile (it equals its primary at the end); the result is the
+    uninterrupted run's."""
+    out = tmp_path / "run"
+
+    def script():
+        stalled = _stall_ps2_until_given_up(out)
+        time.sleep(1.0)
+        _one("psrpc-ps0").kill()
+        return stalled and _wait(lambda: _in_log(out, "worker0", "a new backup on ps2"), 120)
+
+    t, done = _in_background(script)
+    summary, state = run_cluster(out, THREE_PS + REPLICAS, timeout_s=380)
+    t.join(5)
+    assert done == [True], "the fault was not delivered"
+    copies = summary["replicas"]["copies"]
+    assert copies["0"]["backups"] == ["ps2"] and copies["0"]["given_up"] == [], copies
+    assert summary["replicas"]["agree"] is True
+    assert summary["steps"] == 400 and summary["inexact"] == []
+    assert_equal_model(state, uninterrupted[1])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_backups_a_primary_killed_between_its_sends_fails_over_to_the_most_advanced(
+        tmp_path, uninterrupted, mode):
+    """cluster.ps_replicas=2: ps1 dies after sending an update to one backup, before the
+    other. The copy that has it is promoted, the other (one behind) dropped and copied again;
+    nobody waits for an update that never comes, no two histories of the shard. Sync: the
+    uninterrupted run's result."""
+    summary, state = run_cluster(tmp_path, THREE_PS + [
+        f"update={mode}", "cluster.ps_replicas=2", "fault.crash_role=ps", "fault.crash_index=1",
+        "fault.crash_at_step=30", "fault.crash_point=between_backups"], timeout_s=380)
+    (epoch,) = summary["epochs"]
+    assert epoch["rolled_back_to"] is None and epoch["failovers"], epoch
+    assert summary["steps"] == 400 and summary["replicas"]["agree"] is True
+    assert all(len(c["backups"]) == 2 for c in summary["replicas"]["copies"].values())
+    if mode == "sync":
+        assert_equal_model(state, uninterrupted[1])
