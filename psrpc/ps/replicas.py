@@ -333,33 +333,59 @@ def unfence(index: int, ps: str) -> None:
                     index, ps, first_line(e))
 
 
+UNKNOWN = -1  # `fenced`: whether the copy is fresh could not be told (never promoted then)
+
+
 def fenced(index: int, ps: str, base: int) -> Optional[int]:
     """The update that the backup of shard `index` on `ps`, copied at update `base` (0: from
-    the start), lacks because its primary gave it up; None where it was never given up."""
+    the start), lacks because its primary gave it up; None where it was never given up;
+    UNKNOWN where the store does not answer."""
     try:
         s = store.store()
         key = _fence_key(index, ps)
         seq = int(s.get(key)) if s.check([key]) else None
-    except Exception:  # (no store: no membership epochs either, so no promotion)
-        return None
+    except Exception as e:
+        log.warning("shard %d: its fence could not be read (%s)", index, first_line(e))
+        return UNKNOWN
     return seq if seq is not None and base < seq else None
+
+
+def clear_fences(indices: list[int], names: list[str]) -> None:
+    """Every shard rolls back: its updates are numbered from 0 again, its old fences mean
+    nothing (run on the chief)."""
+    s = store.store()
+    for index in indices:
+        for ps in names:
+            s.delete_key(_fence_key(index, ps))
 
 
 def standings() -> dict[int, dict]:
     """Per backup held here, once it applied everything its primary left in its socket: what
     the chief weighs to pick one for a promotion: `seq` (the last update it applied: the most
     advanced copy has the highest), `version`, and `fenced` (the update it lacks because its
-    primary gave it up, or None)."""
-    sidechannel.settle()
+    primary gave it up, or None; UNKNOWN where its socket or backlog would not settle)."""
+    try:
+        sidechannel.settle()
+        unsettled = False
+    except PsrpcError as e:
+        log.warning("%s: %s; its backups are not candidates", comm.me(), first_line(e))
+        unsettled = True
     out = {}
     for key, backup in list(comm.registered().items()):
         if key < BACKUP:
             continue
-        backup.backlog.drain()
-        base, seq = backup.backlog.base, backup.backlog.applied
-        out[key - BACKUP] = {"seq": seq, "version": backup.version,
-                             "fenced": fenced(key - BACKUP, comm.me(), base)}
+        out[key - BACKUP] = _standing(key - BACKUP, backup, unsettled)
     return out
+
+
+def _standing(index: int, backup, unsettled: bool) -> dict:
+    try:
+        backup.backlog.drain()
+    except PsrpcError as e:
+        log.warning("%s", first_line(e))
+        unsettled = True
+    fence_at = UNKNOWN if unsettled else fenced(index, comm.me(), backup.backlog.base)
+    return {"seq": backup.backlog.applied, "version": backup.version, "fenced": fence_at}
 
 
 def drop_backup(index: int) -> bool:

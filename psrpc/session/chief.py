@@ -193,6 +193,7 @@ class Chief:
             _plan_future(epoch).set_exception(error)
             raise error
         comm.wait_all([comm.call(n, service.drop_shards) for n in self.topo.ps_names])
+        failover.forget_fences(self.cfg, self.topo, self.plan)
         model, layout = self.worker_model, self.plan.layout
         flats, states = initial_state(self.cfg, model, layout, restored)
         on_ps, flats, states, dense = split_dense(self.cfg, self.plan.layouts, flats, states,

@@ -114,6 +114,12 @@ def _drop(held: dict[str, dict], chosen: dict[int, Optional[str]]) -> None:
     comm.wait_all(drops)
 
 
+def forget_fences(cfg: Config, topo: Topology, plan: Plan) -> None:
+    """Every shard rolls back: the fences of the copies before mean nothing to the new ones."""
+    if cfg.cluster.ps_replicas:
+        replicas.clear_fences([h.key for h in plan.every_shard], topo.ps_names)
+
+
 def _held_backups(topo: Topology) -> dict[str, list[int]]:
     names = topo.ps_names
     return dict(zip(names, comm.wait_all([comm.call(n, replicas.local_backups)
