@@ -255,3 +255,7 @@ def test_a_worker_lost_for_good_leaves_the_membership_and_a_later_ps_failover_fo
     assert epoch["started_again"] == "ps1" and epoch["failovers"]
     assert epoch["rolled_back_to"] is None and epoch["at_step"] >= 30
     assert time.monotonic() - t0 < 100
+    # each shard waited update.timeout_s for worker2 once; the epoch's shards know it gone
+    waits = sum(p.read_text().count("going on without worker2")
+                for p in (tmp_path / "logs").glob("ps*.log"))
+    assert waits <= len(summary["shards"]), waits

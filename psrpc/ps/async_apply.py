@@ -228,10 +228,11 @@ class AsyncApplier:
                     ready += self._drain()
         comm.resolve_all(ready)
 
-    def new_epoch(self, replay: bool = False) -> None:
+    def new_epoch(self, replay: bool = False, gone: tuple = ()) -> None:
         """The old group's held pushes and clock waits are dropped (their workers push again);
-        every worker is back. (`replay`: sync's; an async push is applied on arrival.)"""
-        self.live.lost.clear()
+        every worker is back but those `gone` for good. (`replay`: sync's; an async push is
+        applied on arrival.)"""
+        self.live.lost = set(gone)
         self._held.clear()
         if self.clock is not None:
             self.clock.restart()

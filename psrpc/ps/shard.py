@@ -210,14 +210,14 @@ class Shard(Replicated, PushChecks):
         for fut in waiting:
             threading.Thread(target=fut.set_result, args=(self.version,), daemon=True).start()
 
-    def begin_epoch(self, replay: bool = False) -> int:
+    def begin_epoch(self, replay: bool = False, gone: tuple = ()) -> int:
         """A new membership epoch: the old group's waiters are gone. A sync round that was
         open closes with what it has (as after update.timeout_s), or, with `replay` (a PS
         failed over to a backup: every worker pushes that step again), starts over; async
-        held pushes and clock waits are dropped (their workers push again). Returns the
-        version."""
+        held pushes and clock waits are dropped (their workers push again). The workers
+        `gone` for good are not waited for. Returns the version."""
         with self.lock:
-            self.updater.new_epoch(replay)
+            self.updater.new_epoch(replay, gone)
             self._settled = []
             return self.version
 

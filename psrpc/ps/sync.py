@@ -212,11 +212,12 @@ class SyncAggregator:
         if done is not None:
             comm.resolve_all([done])
 
-    def new_epoch(self, replay: bool = False) -> None:
+    def new_epoch(self, replay: bool = False, gone: tuple = ()) -> None:
         """The round's waiters belonged to the old group: close it with what it has, answering
-        nobody; every worker is back (one was started again). `replay`: drop it instead, every
-        worker pushes the same gradient again (a PS failed over, cluster.ps_replicas)."""
-        self.live.lost.clear()
+        nobody; every worker is back (one was started again) but those `gone` for good, whom
+        no round waits for. `replay`: drop it instead, every worker pushes the same gradient
+        again (a PS failed over, cluster.ps_replicas)."""
+        self.live.lost = set(gone)
         if replay:
             self._new_round()
         elif self.members:

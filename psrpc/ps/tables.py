@@ -168,13 +168,13 @@ class TableShard(ReplicatedRows, DynamicParts, Shard):
         waited for them; None: update.timeout_s)."""
         return self.handover.settle(Shard.settle(self), wait_s)
 
-    def begin_epoch(self, replay: bool = False) -> int:
+    def begin_epoch(self, replay: bool = False, gone: tuple = ()) -> int:
         """A new membership epoch: the old group's requests ahead, and rows looked up for
         them, are dropped with their rounds."""
         with self.lock:
             self._aheads.clear()
             self._looked_up.clear()
-        return super().begin_epoch(replay)
+        return super().begin_epoch(replay, gone)
 
     def pull_full(self) -> tuple[int, torch.Tensor]:
         with self.lock:

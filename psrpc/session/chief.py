@@ -144,7 +144,10 @@ class Chief:
                 failover.name_backups(self.cfg, self.topo, self.plan)
             lost_round = bool(failovers) and self.cfg.update.name == "sync"
             replay = lost_round and self.cfg.update.dense != "allreduce"  # (not replayed there)
-            versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay) for r in shards])
+            gone = tuple(self.topo.worker_names.index(n) for n in membership.gone(epoch)
+                         if n in self.topo.worker_names and self.topo.stages == 1)
+            versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay, gone)
+                                      for r in shards])
             target = max(versions)
             if lost_round and not replay and len(set(versions)) > 1:
                 log.warning("update.dense=allreduce: the step the lost PS left unanswered is "
