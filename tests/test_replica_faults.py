@@ -163,3 +163,55 @@ def test_two_backups_a_primary_killed_between_its_sends_fails_over_to_the_most_a
     assert all(len(c["backups"]) == 2 for c in summary["replicas"]["copies"].values())
     if mode == "sync":
         assert_equal_model(state, uninterrupted[1])
+
+
+def test_a_hung_ps_counts_no_worker_lost_the_result_is_the_uninterrupted_runs(tmp_path):
+    """ps1, a primary, is stopped (SIGSTOP) for 6 s, three times update.timeout_s: the
+    workers' pushes wait in its sockets. When it runs again its rounds do not close without
+    them (its own clock stood still: slow is not dead), and the result is the uninterrupted
+    run's, with no round short."""
+    out = tmp_path / "run"
+
+    def script():
+        if not _wait(lambda: _steps(out) >= 20, 120):
+            return False
+        ps1 = _one("psrpc-ps1")
+        ps1.send_signal(signal.SIGSTOP)
+        time.sleep(6.0)
+        ps1.send_signal(signal.SIGCONT)
+        return True
+
+    # worker1 is 0.2 s slower each step: ps1 is stopped with a round open, worker1's push
+    # waiting in its socket
+    slow = THREE_PS[:4] + ["train.steps=60", "fault.slow_worker=1", "fault.slow_s=0.2"]
+    t, done = _in_background(script)
+    summary, state = run_cluster(out, slow + ["update.timeout_s=2"], timeout_s=380)
+    t.join(5)
+    assert done == [True], "the fault was not delivered"
+    assert summary["workers_lost"] == 0 and summary["inexact"] == [], summary["inexact"]
+    assert_equal_model(state, run_cluster(tmp_path / "plain", slow)[1])
+
+
+def test_the_update_rules_clock_stands_still_while_the_process_is_stopped():
+    """liveness.running_time: a process stopped for 2 s sees (nearly) no time pass on it,
+    while its monotonic clock does."""
+    code = ("import time, sys; from psrpc.ps.liveness import Watchdog, running_time\n"
+            "w = Watchdog(lambda: None, 0.05, 'test'); r0, m0 = running_time(), time.monotonic()\n"
+            "print('ready', flush=True); sys.stdin.readline(); time.sleep(0.3)\n"
+            "print(running_time() - r0, time.monotonic() - m0, flush=True)\n")
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)
+        p.send_signal(signal.SIGCONT)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        ran, passed = map(float, p.stdout.readline().split())
+    finally:
+        p.kill()
+        p.wait(5)
+    assert passed > 2.0 and ran < 1.5, (ran, passed)

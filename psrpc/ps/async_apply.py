@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,7 +31,7 @@ import torch
 from psrpc.cluster import comm
 from psrpc.cluster.wire import Ticket
 from psrpc.errors import PushRejected
-from psrpc.ps.liveness import LiveSet, Watchdog
+from psrpc.ps.liveness import LiveSet, Watchdog, running_time
 
 log = logging.getLogger(__name__)
 CLOCK_SHARD = 0
@@ -64,7 +63,7 @@ class StalenessClock:
         self.live.seen(worker)
         self.base[worker] = version
         fut: torch.futures.Future = torch.futures.Future()
-        self._waiting.append(_Waiting(version, next(self._seq), worker, fut, time.monotonic()))
+        self._waiting.append(_Waiting(version, next(self._seq), worker, fut, running_time()))
         return fut
 
     def drain(self, overdue: bool = False) -> list:
@@ -86,7 +85,7 @@ class StalenessClock:
                 continue
             blockers = self._blockers(t, head.worker)
             if blockers:
-                if not (overdue and time.monotonic() - head.since > self.timeout_s):
+                if not (overdue and running_time() - head.since > self.timeout_s):
                     break
                 log.warning("%s: worker%d waited %.1f s (update.timeout_s) for %s to catch up "
                             "(update.max_staleness=%d); going on without them", self.shard.name,
@@ -170,7 +169,7 @@ class AsyncApplier:
                     f"{shard.name}: worker{worker} pushed ticket {ticket}, already pushed"))
             future: torch.futures.Future = torch.futures.Future()
             self._held[ticket] = _Held(worker, version, grad, loss, samples, future,
-                                       time.monotonic())
+                                       running_time())
             ready = self._drain()
         comm.resolve_all(ready)
         return future
@@ -220,7 +219,7 @@ class AsyncApplier:
             ready = self.clock.drain(overdue=True) if self.clock is not None else []
             if self._held and shard.version not in self._held and not shard.finished:
                 oldest = min(h.since for h in self._held.values())
-                if time.monotonic() - oldest > self.timeout_s:
+                if running_time() - oldest > self.timeout_s:
                     log.warning("%s: ticket %d never arrived within %.1f s (update.timeout_s; "
                                 "its worker died mid-push?); skipping it", shard.name,
                                 shard.version, self.timeout_s)

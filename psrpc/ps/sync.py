@@ -23,7 +23,6 @@ clean.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import replace
 from typing import Optional
@@ -33,7 +32,7 @@ import torch
 from psrpc.cluster import comm
 from psrpc.cluster.wire import HostSum
 from psrpc.errors import PushRejected
-from psrpc.ps.liveness import LiveSet, Watchdog
+from psrpc.ps.liveness import LiveSet, Watchdog, running_time
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ class SyncAggregator:
                         self._excused.add(w)
                 self._samples += int(samples)
             if self._opened is None:
-                self._opened = time.monotonic()
+                self._opened = running_time()
             future = self._future
             done = self._close_round() if len(self.members) >= self.needed() else None
         if done is not None:
@@ -200,7 +199,7 @@ class SyncAggregator:
     def _check_timeout(self) -> None:
         shard, done = self.shard, None
         with shard.lock:
-            waited = time.monotonic() - self._opened if self._opened is not None else 0.0
+            waited = running_time() - self._opened if self._opened is not None else 0.0
             if waited > self.timeout_s:
                 missing = sorted(self.live.alive - self.members)
                 log.warning("%s: round %d waited %.2f s (update.timeout_s=%g) with %d of %d "
