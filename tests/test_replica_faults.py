@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import assert_equal_model, run_cluster
 from tests.test_elastic import _children_named
@@ -215,3 +216,40 @@ def test_the_update_rules_clock_stands_still_while_the_process_is_stopped():
         p.kill()
         p.wait(5)
     assert passed > 2.0 and ran < 1.5, (ran, passed)
+
+
+def test_a_backup_refuses_an_update_number_it_has_from_another_primary():
+    """Two histories of one shard: update 3 applied from primary "a" and then update 3 from
+    primary "b" is refused (the Future fails, nothing applied); the same update sent again by
+    "a" is taken silently, and "b"'s update 4 goes on from there."""
+    from types import SimpleNamespace
+
+    from psrpc.ps.backup import Backlog
+    from psrpc.ps.replicas import Update
+
+    applied = []
+    shard = SimpleNamespace(index=3, name="ps0/shard3",
+                            apply_update=lambda u: applied.append((u.seq, u.origin)))
+    log = Backlog(shard)
+    log.take([Update(3, s, s, [], {}, [], 100, "a") for s in (1, 2, 3)])
+    clash = log.take([Update(3, 3, 3, [], {}, [], 100, "b")])
+    with pytest.raises(Exception, match="refused update 3 from primary b"):
+        clash.wait()
+    assert log.take([Update(3, 3, 3, [], {}, [], 100, "a")]).done()  # (sent again)
+    log.take([Update(3, 4, 4, [], {}, [], 100, "b")])
+    log.drain(5.0)
+    assert applied == [(1, "a"), (2, "a"), (3, "a"), (4, "b")]
+    log.close()
+
+
+def test_a_dropped_backup_takes_the_updates_held_for_its_copy_with_it():
+    """replicas.drop_backup: the updates that came for a copy not built yet (_EARLY) are
+    failed and forgotten, not left for the next copy of the shard on this PS."""
+    from psrpc.ps import replicas
+
+    fut = torch.futures.Future()
+    replicas._EARLY.setdefault(7, {})[1] = (object(), fut)
+    assert replicas.drop_backup(7) is False  # (none registered: only the early updates)
+    assert 7 not in replicas._EARLY and fut.done()
+    with pytest.raises(Exception, match="dropped"):
+        fut.wait()
