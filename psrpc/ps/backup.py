@@ -14,7 +14,7 @@ import torch
 from psrpc.cluster import shm, sidechannel
 from psrpc.errors import PsrpcError
 from psrpc.ps import ring
-from psrpc.ps.replicas import Journal, Update, digest_of, fence, replayed, unfence
+from psrpc.ps.replicas import Journal, Update, digest_of, fence_copy, replayed, unfence
 from psrpc.ps.snapshots import ShardSnapshots
 
 log = logging.getLogger(__name__)
@@ -274,10 +274,10 @@ class Replicated:
             j.copying.append(ps)
             j.dropped.discard(ps)
             j.name(ps)
-            fence(self.index, ps, j.seq + 1)
+            fence_copy(self.index, ps, j.seq)
             return self.spec, state, j.seq
 
-    def copy_done(self, ps: str, channels: Optional[dict] = None) -> bool:
+    def copy_done(self, ps: str, seq: int, channels: Optional[dict] = None) -> bool:
         """The backup on `ps` is built: replies wait for it from the next update on, and once
         it holds every update sent during the copy, its fence is lifted. Returns whether it
         is in step (else it missed one and was given up)."""
@@ -291,7 +291,7 @@ class Replicated:
             sent = j.sent_to_copy.pop(ps, [])
         if not all(torch.futures.wait_all(sent)):  # (each True once the copy holds it)
             return False
-        unfence(self.index, ps)
+        unfence(self.index, ps, seq)
         return True
 
     def copy_failed(self, ps: str) -> None:

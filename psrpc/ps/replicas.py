@@ -311,23 +311,33 @@ def _fence_key(index: int, ps: str) -> str:
     return membership.run_prefix("fence") + f"{index}/{ps}"
 
 
-def fence(index: int, ps: str, seq: int) -> None:
+def fence(index: int, ps: str, seq: int, why: str = "") -> None:
     """The primary of shard `index` gave up its backup on `ps`, which does not hold update
     `seq`: recorded in the run's store, which outlives the primary (its own record, the
     Journal's `dropped`, dies with it), before any reply carrying that update goes out. Only
     a copy made after that update clears it (`fenced`)."""
     try:
-        store.store().set(_fence_key(index, ps), str(seq))
+        store.store().set(_fence_key(index, ps), f"{why}{seq}")
     except Exception as e:  # (no store: no membership epochs either, so no promotion)
         log.warning("shard %d: could not record that its backup on %s lacks update %d (%s)",
                     index, ps, seq, first_line(e))
 
 
-def unfence(index: int, ps: str) -> None:
-    """The copy of shard `index` on `ps` is in step with its primary (a new copy: every
-    update sent during the copy is held there)."""
+COPYING = "copying "  # a fence's value while its copy is made: "copying <update>"
+
+
+def fence_copy(index: int, ps: str, seq: int) -> None:
+    """A copy of shard `index` on `ps` is being made at update `seq`: fenced until it holds the
+    updates sent meanwhile (`unfence`), as it may lack what workers saw."""
+    fence(index, ps, seq + 1, COPYING)
+
+
+def unfence(index: int, ps: str, seq: int) -> None:
+    """The copy of shard `index` on `ps` made at update `seq` is in step with its primary:
+    its copy fence is lifted, but never a fence its primary wrote since (an update it missed
+    already: compare-and-set)."""
     try:
-        store.store().delete_key(_fence_key(index, ps))
+        store.store().compare_set(_fence_key(index, ps), f"{COPYING}{seq + 1}", str(seq))
     except Exception as e:  # (no store: no membership epochs either, so no promotion)
         log.warning("shard %d: could not record that its backup on %s is in step (%s)",
                     index, ps, first_line(e))
@@ -343,7 +353,7 @@ def fenced(index: int, ps: str, base: int) -> Optional[int]:
     try:
         s = store.store()
         key = _fence_key(index, ps)
-        seq = int(s.get(key)) if s.check([key]) else None
+        seq = int(s.get(key).decode().removeprefix(COPYING)) if s.check([key]) else None
     except Exception as e:
         log.warning("shard %d: its fence could not be read (%s)", index, first_line(e))
         return UNKNOWN
