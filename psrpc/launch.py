@@ -245,8 +245,8 @@ class _Cluster:
                 self.lost.append(name)
             else:
                 failed.append(name)
-        if not again or failed:  # a failure ends the run: nobody to start again
-            return [], failed
+        if failed or not (again or self._regroup(names)):  # a failure ends the run; nobody to
+            return [], failed  # start again, and no group to form anew without the lost
         if not membership.announce(self.store, self.attempt, self.epoch + 1, again, self.lost):
             return [], self._after_training(again, codes)  # the chief ended training meanwhile
         self.epoch += 1
@@ -263,6 +263,13 @@ class _Cluster:
                 except ProcessLookupError:
                     pass
         return again, []
+
+    def _regroup(self, names: list[str]) -> bool:
+        """Whether workers just lost for good need an epoch of their own: under
+        update.dense=allreduce the workers share a group, which must form again without
+        them (elsewhere the PS stop waiting for a lost worker, and the next epoch leaves it
+        out)."""
+        return self.cfg.update.dense == "allreduce" and any(n in self.lost for n in names)
 
     def _after_training(self, names: list[str], codes: dict) -> list[str]:
         for name in names:

@@ -253,3 +253,20 @@ def test_a_dropped_backup_takes_the_updates_held_for_its_copy_with_it():
     assert 7 not in replicas._EARLY and fut.done()
     with pytest.raises(Exception, match="dropped"):
         fut.wait()
+
+
+def test_dense_allreduce_a_worker_lost_for_good_leaves_the_workers_group(tmp_path):
+    """update.dense=allreduce, 3 workers: worker2 dies with no restart left. The workers' own
+    group must form again without it: the launcher announces an epoch for that alone, the
+    others average among themselves, the run ends with its outputs, and the summary names the
+    lost worker as why the result is not an uninterrupted run's."""
+    from tests.test_sparse_cluster import CLICKS
+
+    summary, _ = run_cluster(tmp_path, CLICKS + [
+        "update.dense=allreduce", "cluster.num_ps=2", "cluster.num_workers=3",
+        "train.steps=40", "cluster.max_worker_restarts=0", "fault.crash_role=worker",
+        "fault.crash_index=2", "fault.crash_at_step=10"], timeout_s=300, fast=False)
+    assert summary["steps"] == 40 and summary["workers_lost"] == 1
+    assert any("worker2" in why for why in summary["inexact"]), summary["inexact"]
+    (epoch,) = summary["epochs"]
+    assert epoch["started_again"].startswith("nobody"), epoch

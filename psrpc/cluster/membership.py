@@ -218,7 +218,7 @@ def why(epoch: int) -> tuple[str, Optional[float]]:
     """(the ranks started again, comma-separated; when their deaths were seen) for epoch
     `epoch`."""
     try:
-        name, at = store.store().get(event_key(_STATE["attempt"], epoch)).decode().split()
+        name, at = store.store().get(event_key(_STATE["attempt"], epoch)).decode().rsplit(" ", 1)
         return name, float(at)
     except Exception:  # an older or foreign store: the epoch still works without it
         return "?", None
@@ -349,8 +349,11 @@ def gone(epoch: int) -> list[str]:
     """The ranks out of epoch `epoch` for good (workers the local launcher lost with no restart
     left), by name; [] where nobody announces them (torchrun, srun, an older store)."""
     key = gone_key(_STATE["attempt"], epoch)
-    s = store.store()
-    return s.get(key).decode().split(",") if s.check([key]) else []
+    try:
+        s = store.store()
+        return s.get(key).decode().split(",") if s.check([key]) else []
+    except KeyError:  # (no store: no epochs either)
+        return []
 
 
 def members(epoch: int) -> list[int]:

@@ -130,8 +130,8 @@ class Chief:
         last = self.epochs[-1]["epoch"] if self.epochs else self.first_epoch
         events = [membership.why(e) for e in range(last + 1, epoch + 1)]
         cut_off = [n for e in range(last + 1, epoch + 1) for n in partitions.cut_off(e)]
-        who = ",".join(dict.fromkeys([n for names, _ in events for n in names.split(",")]
-                                     + cut_off))
+        who = ",".join(dict.fromkeys([n for names, _ in events for n in names.split(",") if n]
+                                     + cut_off)) or "nobody (a worker lost for good left)"
         seen_at = min((at for _, at in events if at), default=None)
         held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
         found = {index for part in held for index in part}

@@ -51,6 +51,8 @@ class DenseAllReduce:
     def __init__(self, cfg, rank: int, size: int, flat: FlatModel, state: DenseState,
                  nccl: bool = False):
         self.flat, self.rank, self.size, self.nccl = flat, rank, size, nccl
+        self.index, self.workers = rank, size  # this worker's, and every worker (rank and size
+        # are its place in, and the size of, the current epoch's group: the workers not gone)
         # CPU workers all on one host sum over Unix sockets instead of gloo (cluster.shm)
         self.local = not nccl and cfg.cluster.shm != "off" and flat.params[0].device.type == "cpu"
         self.optim_cfg, self.total_steps = cfg.optim, cfg.train.steps
@@ -141,6 +143,7 @@ class DenseAllReduce:
                     "dense all-reduce: the group of this membership epoch could not be formed; "
                     "the workers form one in the next epoch")
             self._group, self._group_key = None, key
+            self.rank, self.size = self._members()
             if self.local:  # None when the workers are not all on one host: gloo then
                 self._group = localreduce.form(prefix, self.rank, self.size,
                                                self.timeout.total_seconds(), membership.changing)
@@ -149,6 +152,13 @@ class DenseAllReduce:
                                           self.nccl)
                 _GROUPS.append(self._group)  # (gloo's: see _GROUPS)
         return self._group
+
+    def _members(self) -> tuple[int, int]:
+        """(this worker's rank, the group's size) in this epoch: without the workers lost for
+        good (their gradients no longer in the average: the summary names them)."""
+        gone = {n for n in membership.gone(membership.current())}
+        members = [w for w in range(self.workers) if f"worker{w}" not in gone]
+        return members.index(self.index), len(members)
 
     def start(self, k: int) -> None:
         """Buffer k's gradient is complete: its all-reduce starts (backward goes on) once
