@@ -52,8 +52,9 @@ class LocalGroup:
     over the W, as a process group's does, its work done by `wait()`."""
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
-                 timeout_s: float):
+                 timeout_s: float, abort=lambda: False):
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.abort = abort  # a newer membership epoch: a peer waits for it, not for this sum
         self.socks = socks  # peer rank -> socket (non-blocking)
         # peer rank -> [(all-reduce seq, bytes still to send)], in stream order
         self.outgoing: dict[int, list[tuple[int, memoryview]]] = {p: [] for p in socks}
@@ -147,7 +148,12 @@ class LocalGroup:
                     except KeyError:
                         pass
             left = deadline - time.monotonic()
-            events = poller.poll(left * 1000) if left > 0 else []
+            events = poller.poll(min(left, POLL_SLICE_S) * 1000) if left > 0 else []
+            if not events and left > 0 and not self.abort():
+                continue
+            if not events and left > 0:
+                raise LocalReduceError("dense all-reduce: a membership epoch was announced; the "
+                                       "workers form a new group in it")
             if not events:
                 late = sorted(want) or sorted(owed)
                 raise LocalReduceError(
@@ -271,7 +277,7 @@ def form(store, rank: int, size: int, timeout_s: float,
             time.sleep(0.002)
         for s in socks.values():
             s.setblocking(False)
-        group, socks = LocalGroup(rank, size, socks, timeout_s), {}
+        group, socks = LocalGroup(rank, size, socks, timeout_s, abort), {}
         return group
     finally:
         for s in socks.values():
