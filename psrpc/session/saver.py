@@ -29,7 +29,7 @@ from typing import Callable, Optional
 from psrpc import checkpoint
 from psrpc.cluster import comm
 from psrpc.cluster.comm import rpc_timeout_s
-from psrpc.errors import first_line
+from psrpc.errors import first_line, network_failure
 from psrpc.session.hooks import Hook, StepInfo
 
 log = logging.getLogger("psrpc")
@@ -138,7 +138,14 @@ class CheckpointSaver(Hook):
         on the training thread only, as everything that touches `_buffers` does."""
         due = [s for s in self._buffers if s <= step]
         if due:
-            state = (self.buffers(), self._dense_at(step))
+            try:
+                state = (self.buffers(), self._dense_at(step))
+            except Exception as e:  # the clock's PS lost as it answers: a membership epoch
+                if not network_failure(e):  # comes; these steps are not committed, the next is
+                    raise
+                log.warning("checkpoint steps %s skipped: the clock's counters did not come "
+                            "(%s)", due, first_line(e))
+                state = None
             for s in due:
                 self._buffers.pop(s).set_result(
                     state if s == step or self.replica_dense is None else None)
