@@ -43,7 +43,7 @@ def fail_over(cfg: Config, topo: Topology, plan: Plan, found: set[int]) -> tuple
     held = dict(zip(names, comm.wait_all([comm.call(n, replicas.standings) for n in names])))
     lost = [h for h in plan.every_shard if h.key not in found]
     chosen = {h.key: _most_advanced(held, h.key) for h in lost}
-    why = _no_promotion(cfg, plan, found, held, chosen)
+    why = _no_promotion(cfg, topo, plan, found, held, chosen)
     _drop(held, chosen)
     if why is not None:
         log.warning("%s: rolling every shard back to the last checkpoint", why)
@@ -73,7 +73,7 @@ def _most_advanced(held: dict[str, dict], index: int) -> Optional[str]:
     return best
 
 
-def _no_promotion(cfg: Config, plan: Plan, found: set[int], held: dict,
+def _no_promotion(cfg: Config, topo: Topology, plan: Plan, found: set[int], held: dict,
                   chosen: dict[int, Optional[str]]) -> Optional[str]:
     """Why the lost shards cannot fail over (a line), or None."""
     none = sorted(k for k, n in chosen.items() if n is None)
@@ -84,7 +84,9 @@ def _no_promotion(cfg: Config, plan: Plan, found: set[int], held: dict,
                 % (none, cfg.cluster.ps_replicas, "".join(
                     f"; shard {k}'s copies on {', '.join(v)} were given up by its primary"
                     for k, v in given_up.items() if v)))
-    if cfg.update.name != "sync" or not chosen:
+    lockstep = (cfg.update.name == "sync"  # every worker in each round: shards one step apart
+                and (cfg.update.replicas_to_aggregate or topo.replicas) == topo.replicas)
+    if not lockstep or not chosen:
         return None
     alive = [h for h in plan.every_shard if h.key in found]
     steps = [r["version"] for r in comm.wait_all([comm.invoke(h, "report") for h in alive])]
@@ -197,7 +199,9 @@ def compare_replicas(cfg: Config, topo: Topology) -> dict:
         d == c["primary"][1] for d in c["backups"].values()) for c in copies.values())
     return {"replicas": {"agree": agree, "copies": {
         k: {"primary": c["primary"][0] if c["primary"] else None,
-            "backups": sorted(c["backups"]), "given_up": sorted(c["given_up"])}
+            "backups": sorted(c["backups"]), "given_up": sorted(c["given_up"]),
+            "differ": sorted(n for n, d in c["backups"].items()
+                             if c["primary"] is None or d != c["primary"][1])}
         for k, c in sorted(copies.items())}}}
 
 
