@@ -60,11 +60,10 @@ def count_step(optimizer: torch.optim.Optimizer) -> None:
     make; an optimizer that counts no steps (SGD) is left alone."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state.update(_fresh_state(optimizer, p))
-            if "step" in state:
+            state = optimizer.state.get(p) or _fresh_state(optimizer, p)
+            if "step" in state:  # (no empty entry made: a copy of the shard has none either)
                 state["step"] += 1
+                optimizer.state[p] = state
 
 
 def _fresh_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
