@@ -37,9 +37,11 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import select
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Optional
@@ -299,13 +301,21 @@ class HostPush:
         return bytes(out)
 
     def _read_into(self, w: int, view: memoryview) -> None:
-        got = 0
+        """Read `view` full from worker w; a wait gives up at once where a membership epoch was
+        announced (the peer may have left for it: the block forms anew there)."""
+        got, sock = 0, self.socks[w]
+        deadline = time.monotonic() + 2 * self.timeout_s
         while got < view.nbytes:
+            if not select.select([sock], [], [], localreduce.POLL_SLICE_S)[0]:
+                if membership.changing():
+                    raise HostPushError("host push: a membership epoch was announced; the "
+                                        "block forms anew in it")
+                if time.monotonic() > deadline:
+                    raise HostPushError(f"host push: worker{w} sent nothing in "
+                                        f"{2 * self.timeout_s:g} s (twice the RPC timeout)")
+                continue
             try:
-                n = self.socks[w].recv_into(view[got:])
-            except socket.timeout:
-                raise HostPushError(f"host push: worker{w} sent nothing in "
-                                    f"{2 * self.timeout_s:g} s (twice the RPC timeout)") from None
+                n = sock.recv_into(view[got:])
             except OSError as e:
                 raise PeerGone(w, str(e)) from None
             if not n:
