@@ -73,7 +73,7 @@ import psutil
 
 from benchmarks import chaos_oracle as oracle
 from benchmarks.chaos_faults import (FAULTS, MAY_LOSE_EVERY_COPY, REPLICA_DRAW, REPLICA_FAULTS,
-                                     TIMEOUT_S, Run)
+                                     TIMEOUT_S, UNDELIVERABLE, Run)
 from benchmarks.chaos_hosts import HOST_FAULTS, HostRun
 from benchmarks.common import bench_config, header, write_results
 from benchmarks.hosts import missing as hosts_missing
@@ -126,6 +126,7 @@ def _replica_schedule(seed: int, index: int) -> dict:
     fault = drawn[index % len(drawn)]
     workload = rnd.choice(list(WORKLOADS))
     mode = rnd.choice(WORKLOADS[workload][1])
+    mode = UNDELIVERABLE.get((fault, mode), mode)
     copies = rnd.choice(REPLICA_DRAW[fault][0])
     P = 3 if copies == 2 else rnd.choice([2, 3])
     P = 2 if mode == "sync" and copies < 2 else P
