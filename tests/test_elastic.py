@@ -236,18 +236,20 @@ def test_a_worker_killed_during_the_final_evaluation_is_not_started_again(tmp_pa
 
 
 @pytest.mark.timeout(150)
-def test_a_worker_lost_for_good_leaves_the_membership_and_a_later_ps_failover_forms(tmp_path):
-    """worker2 dies with no restart left (lost for good), then ps1 is killed from outside:
-    the failover's epoch forms without worker2 (it is out of every later epoch), training ends,
-    and the summary still counts worker2 lost."""
+@pytest.mark.parametrize("lost", [2, 1], ids=["the-last-worker", "a-worker-before-another"])
+def test_a_worker_lost_for_good_leaves_the_membership_and_a_later_ps_failover_forms(tmp_path,
+                                                                                  lost):
+    """A worker dies with no restart left (lost for good), then ps1 is killed from outside:
+    the failover's epoch forms without it (it is out of every later epoch; the ranks after it
+    are numbered one lower there), training ends, and the summary still counts it lost."""
     killer = _kill_when("psrpc-ps1", lambda: _chief_step(tmp_path) >= 30
-                        and "worker2" in (tmp_path / "logs" / "ps0.log").read_text(), 90)
+                        and f"worker{lost}" in (tmp_path / "logs" / "ps0.log").read_text(), 90)
     t0 = time.monotonic()
     summary, _ = run_cluster(tmp_path, [
         "cluster.num_ps=2", "cluster.num_workers=3", "cluster.ps_replicas=1",
         "cluster.max_worker_restarts=0", "cluster.init_timeout_s=15", "update.timeout_s=2",
         "train.steps=200", "fault.slow_worker=1", "fault.slow_s=0.02",
-        "fault.crash_role=worker", "fault.crash_index=2", "fault.crash_at_step=10"],
+        "fault.crash_role=worker", f"fault.crash_index={lost}", "fault.crash_at_step=10"],
         timeout_s=120)
     killer.join(1)
     assert summary["steps"] == 200 and summary["workers_lost"] == 1
@@ -256,6 +258,6 @@ def test_a_worker_lost_for_good_leaves_the_membership_and_a_later_ps_failover_fo
     assert epoch["rolled_back_to"] is None and epoch["at_step"] >= 30
     assert time.monotonic() - t0 < 100
     # each shard waited update.timeout_s for worker2 once; the epoch's shards know it gone
-    waits = sum(p.read_text().count("going on without worker2")
+    waits = sum(p.read_text().count(f"going on without worker{lost}")
                 for p in (tmp_path / "logs").glob("ps*.log"))
     assert waits <= len(summary["shards"]), waits

@@ -172,6 +172,34 @@ def abandon() -> None:
         pass
 
 
+def _keep_autograd_id() -> None:
+    """init_rpc first initialises this process's distributed autograd container with its rank,
+    and refuses another rank later ("Container is already initialized with worker_id"). A rank
+    does change: a worker lost for good leaves the epochs after it, whose groups number the
+    ranks after it one lower (psrpc/cluster/membership.py). The container keeps its first id;
+    only model parallel uses it, for context ids, which stay unique (ranks only go down, and a
+    process started again takes a rank no live process had first). Patched once, at import:
+    torch's own `torch.distributed.autograd._init`, which init_rpc looks up at each call."""
+    import torch.distributed.autograd as dist_autograd
+
+    first = dist_autograd._init
+    if getattr(first, "keeps_first_id", False):
+        return
+
+    def init(worker_id: int) -> None:
+        try:
+            first(worker_id)
+        except RuntimeError as e:
+            if "already initialized" not in str(e):
+                raise
+
+    init.keeps_first_id = True
+    dist_autograd._init = init
+
+
+_keep_autograd_id()
+
+
 def _fresh_rpc_module_state() -> None:
     """torch.distributed.rpc keeps per-process counters that every member of a group must
     agree on: init_rpc prefixes its store keys with how many times this process called it,
