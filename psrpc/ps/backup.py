@@ -277,22 +277,24 @@ class Replicated:
             fence_copy(self.index, ps, j.seq)
             return self.spec, state, j.seq
 
-    def copy_done(self, ps: str, seq: int, channels: Optional[dict] = None) -> bool:
-        """The backup on `ps` is built: replies wait for it from the next update on, and once
-        it holds every update sent during the copy, its fence is lifted. Returns whether it
-        is in step (else it missed one and was given up)."""
+    def copy_done(self, ps: str, seq: int, channels: Optional[dict] = None) -> None:
+        """The backup on `ps` (copied at update `seq`) is built: replies wait for it from the
+        next update on, and once it holds every update sent during the copy its fence is
+        lifted (not waited for here: an RPC thread held would be one fewer for the pushes;
+        a copy that missed one of them was given up, and stays fenced)."""
         with self.lock:
             j = self.journal
             if ps not in j.copying:
-                return False
+                return
             j.copying.remove(ps)
             j.live.append(ps)
             j.channels.update(channels or {})
             sent = j.sent_to_copy.pop(ps, [])
-        if not all(torch.futures.wait_all(sent)):  # (each True once the copy holds it)
-            return False
-        unfence(self.index, ps, seq)
-        return True
+
+        def lift(held) -> None:  # (each Future True once the copy holds its update)
+            if all(f.value() for f in held.value()):
+                unfence(self.index, ps, seq)
+        torch.futures.collect_all(sent).then(lift)
 
     def copy_failed(self, ps: str) -> None:
         with self.lock:
