@@ -382,7 +382,12 @@ def stop_worker(run, rnd, P, W):
     return _hold(run, victim, _at_step(run, rnd), seconds)
 
 
-STALL_WAIT_S = 75.0  # a primary gives a hung backup up within its acknowledgement timeout
+# A primary gives a hung backup up within its acknowledgement bound (10 s). The stall ends
+# before the workers' RPC timeout (update.timeout_s + 60 s): a PS hung past it fails their
+# calls, and the run (no liveness check ends a hung rank yet). Where the hung PS blocked every
+# push before any primary sent it an update (a table lookup, a clock's ticket), no backup was
+# given up: the fault did not happen.
+STALL_WAIT_S = 40.0
 
 
 def _gave_up(run: Run, backup: str) -> Optional[str]:
