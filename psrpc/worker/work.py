@@ -73,4 +73,5 @@ def replay_step(self, work: Optional["Work"], pulled: list[Reply]) -> Optional["
                 "before it was answered)", self.index, work.versions[0],
                 len(behind) + int(tables_behind), len(pulled) + len(self.table_versions))
     replay = Work(work.versions, work.loss, futures, work.ticket, work.table_grads)
+    replay.table_versions = work.table_versions  # (a second failover may replay it again)
     return replay
