@@ -507,9 +507,11 @@ REPLICA_DRAW: dict[str, tuple[tuple, list]] = {
 # push first asks the clock shard for a ticket, so a PS hung with the clock stops every push and
 # no primary sends an update its backup could miss (the workers' calls time out instead).
 UNDELIVERABLE = {("stall_backup_then_kill_primary", "async-bounded"): "async"}
-# Where a run may roll back (steps redone) with backups: every up-to-date copy of a shard lost
-# (a single backup given up, then its primary killed).
-MAY_LOSE_EVERY_COPY = {"stall_backup_then_kill_primary": (1,)}
+# Where a run may roll back (steps redone, the summary naming the roll back) with backups:
+# every up-to-date copy of a shard lost (a single backup given up, then its primary killed; the
+# PS that came back killed again while its new copy is not yet in step: a half-made copy is
+# never promoted).
+MAY_LOSE_EVERY_COPY = {"stall_backup_then_kill_primary": (1,), "kill_ps_twice": (1,)}
 
 FAULTS: dict[str, Callable] = {
     "kill_worker": kill_worker, "kill_chief": kill_chief, "kill_ps": kill_ps,
