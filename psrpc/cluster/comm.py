@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
@@ -180,8 +181,6 @@ def _keep_autograd_id() -> None:
     only model parallel uses it, for context ids, which stay unique (ranks only go down, and a
     process started again takes a rank no live process had first). Patched once, at import:
     torch's own `torch.distributed.autograd._init`, which init_rpc looks up at each call."""
-    import torch.distributed.autograd as dist_autograd
-
     first = dist_autograd._init
     if getattr(first, "keeps_first_id", False):
         return
