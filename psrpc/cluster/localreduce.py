@@ -123,6 +123,20 @@ class LocalGroup:
         return LocalReduceError(f"dense all-reduce: worker {p} is gone ({why}); the workers "
                                 "form a new group in the next membership epoch")
 
+    def _poll(self, poller, deadline: float, late: list[int]) -> list:
+        """The next events (none yet: []), polled a slice at a time; raises once a membership
+        epoch is announced (a peer left for it) or `deadline` has passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LocalReduceError(
+                f"dense all-reduce: worker(s) {late} did not complete it in "
+                f"{self.timeout_s:g} s (the RPC timeout); a worker is stuck or gone")
+        events = poller.poll(min(left, POLL_SLICE_S) * 1000)
+        if not events and self.abort():
+            raise LocalReduceError("dense all-reduce: a membership epoch was announced; the "
+                                   "workers form a new group in it")
+        return events
+
     def _exchange(self, t: torch.Tensor, seq: int) -> None:
         """Finish sending this all-reduce (later ones may wait: the peers read those in their
         later waits), read every peer's buffer of it, add them in the tree's order."""
@@ -147,19 +161,7 @@ class LocalGroup:
                         poller.unregister(self.socks[p])
                     except KeyError:
                         pass
-            left = deadline - time.monotonic()
-            events = poller.poll(min(left, POLL_SLICE_S) * 1000) if left > 0 else []
-            if not events and left > 0 and not self.abort():
-                continue
-            if not events and left > 0:
-                raise LocalReduceError("dense all-reduce: a membership epoch was announced; the "
-                                       "workers form a new group in it")
-            if not events:
-                late = sorted(want) or sorted(owed)
-                raise LocalReduceError(
-                    f"dense all-reduce: worker(s) {late} did not complete it in "
-                    f"{self.timeout_s:g} s (the RPC timeout); a worker is stuck or gone")
-            for fd, ev in events:
+            for fd, ev in self._poll(poller, deadline, sorted(want) or sorted(owed)):
                 p = self._peer[fd]
                 if ev & select.POLLIN and p in want:
                     if self._read(p, want[p], seq):

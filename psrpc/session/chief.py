@@ -78,6 +78,15 @@ def stop_at_next_step() -> None:
     _STOP_REQUESTED.set()
 
 
+def _gone_workers(topo: Topology, epoch: int) -> tuple[int, ...]:
+    """The data-parallel workers out of epoch `epoch` for good, by index (no round waits for
+    them)."""
+    if topo.stages != 1:
+        return ()
+    return tuple(topo.worker_names.index(n) for n in membership.gone(epoch)
+                 if n in topo.worker_names)
+
+
 class Chief:
     def __init__(self, cfg: Config, topo: Topology, out_dir: Path, replica_cls=Worker):
         self.cfg, self.topo, self.out_dir = cfg, topo, Path(out_dir)
@@ -144,8 +153,7 @@ class Chief:
                 failover.name_backups(self.cfg, self.topo, self.plan)
             lost_round = bool(failovers) and self.cfg.update.name == "sync"
             replay = lost_round and self.cfg.update.dense != "allreduce"  # (not replayed there)
-            gone = tuple(self.topo.worker_names.index(n) for n in membership.gone(epoch)
-                         if n in self.topo.worker_names and self.topo.stages == 1)
+            gone = _gone_workers(self.topo, epoch)
             versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay, gone)
                                       for r in shards])
             target = max(versions)
