@@ -37,8 +37,8 @@ def fail_over(cfg: Config, topo: Topology, plan: Plan, found: set[int]) -> tuple
     served from now on by its most advanced copy that was never given up (promoted on its PS;
     the plan's Handle points there), and every copy given up or behind the one promoted is
     dropped (a new one replaces it). Returns the plan and what moved, or [] (nothing promoted)
-    when some lost shard has no such copy, or (sync) only one behind the cluster's step: then
-    every shard rolls back, as without replicas, with a line saying why."""
+    when some lost shard has no such copy, or (lockstep sync) only one more than a step behind
+    the cluster: then every shard rolls back, as without replicas, with a line saying why."""
     names = topo.ps_names
     held = dict(zip(names, comm.wait_all([comm.call(n, replicas.standings) for n in names])))
     lost = [h for h in plan.every_shard if h.key not in found]
