@@ -270,3 +270,22 @@ def test_dense_allreduce_a_worker_lost_for_good_leaves_the_workers_group(tmp_pat
     assert any("worker2" in why for why in summary["inexact"]), summary["inexact"]
     (epoch,) = summary["epochs"]
     assert epoch["started_again"].startswith("nobody"), epoch
+
+
+def test_a_reply_waits_for_a_backup_that_went_live_after_its_push():
+    """A round's first push comes while the shard's only backup is still being copied (no live
+    backup: nothing to wait for then); the copy completes and goes live before the round
+    closes, so the update that round sends it must be held before any reply carries it (a
+    worker answered first, with the primary killed then, had seen an update its new primary
+    lacks). The backup's pending acknowledgement stands in the journal as `commit` leaves it."""
+    from psrpc.ps.replicas import Journal
+    from tests.unit_helpers import make_shard, push, sync
+    shard = make_shard(sync(), workers=2)
+    shard.journal = Journal(shard, [], copy_timeout_s=10)
+    first = push(shard, 0, 0, [1.0, 1.0, 1.0, 1.0])
+    backup_has_it = torch.futures.Future()
+    shard.journal._acks[1] = backup_has_it  # the live backup's ack of update 1, not yet in
+    second = push(shard, 1, 0, [1.0, 1.0, 1.0, 1.0])  # closes the round: version 1
+    assert shard.version == 1 and not first.done() and not second.done()
+    backup_has_it.set_result(True)
+    assert first.wait().version == 1 and second.wait().version == 1

@@ -239,25 +239,17 @@ class Journal:
             if self._acks.get(version) is ack:
                 del self._acks[version]
 
-    def acked(self) -> bool:
-        """Whether an update may wait for a backup's acknowledgement: one elsewhere, one being
-        copied (it may join before this round ends), or a large shard with no ring (its
-        gradients go over TensorPipe). Else a backup holds an update once it is sent, before
-        any reply."""
-        return bool(self.copying) or not self.shard.sends_oneway() or any(
-            ps not in self.channels for ps in self.live)
-
     def gate(self, future: torch.futures.Future) -> torch.futures.Future:
         """The Future of a push's reply, completed once every live backup holds the version
-        it carries."""
-        if not self.acked():
-            return future
+        it carries. Which backups those are is read when the reply is ready, not when the
+        push came: a copy may join in between (the round then closes with it live), and a
+        reply must not reach a worker before that backup has its update."""
 
         def replied(reply, out):
             with self._acks_lock:
                 ack = self._acks.get(getattr(reply, "version", None))
-            if ack is None:
-                out.set_result(reply)
+            if ack is None:  # (none waited for: no backup, or updates sent one-way, held
+                out.set_result(reply)  # once sent)
             else:
                 ack.add_done_callback(lambda _: out.set_result(reply))
         return comm.chain(future, replied)

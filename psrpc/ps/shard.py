@@ -136,7 +136,7 @@ class Shard(Replicated, PushChecks):
             extra = {"void": True} if void else {"host": host} if host is not None else {}
             future = self.updater.push(worker, version, grad if finite else None, loss, samples,
                                        ticket, **extra)
-            if self.journal is not None and self.journal.live:  # answered once backed up
+            if self.journal is not None:  # answered once backed up (read at the reply)
                 future = self.journal.gate(future)
             if viewer:  # it reads the master copy itself: no parameters in the reply
                 return future.then(lambda f: replace(f.value(), params=_NO_PARAMS))
