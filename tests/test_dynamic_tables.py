@@ -355,3 +355,17 @@ def test_a_server_restored_with_no_ids_of_a_table_keeps_its_optimizer_step_count
     empty = adam()
     empty.load(SPEC.name, t.state(SPEC.name), torch.zeros(1, dtype=torch.bool))
     assert empty[SPEC.name].opt.step_count == t[SPEC.name].opt.step_count == 10
+
+
+def test_a_void_push_to_a_table_shard_is_discarded_not_an_error():
+    """A worker whose dense view was written during its step (update.timeout_s closed a round
+    without it) sends its table gradients as shm.VOID: the table shard discards them (the
+    round goes on, nothing applied), as a dense shard does, rather than failing the call."""
+    from psrpc.cluster import shm
+    shard = _shard()
+    before = copy.deepcopy(shard.dynamic.state("user"))
+    reply = shard.push_pull(0, 0, shm.VOID, 1.0, 1).wait()
+    assert shard.version == 1 and not reply.accepted
+    after = shard.dynamic.state("user")
+    for key in ("ids", "count", "last", "has_row", "weight"):
+        assert torch.equal(torch.as_tensor(before[key]), torch.as_tensor(after[key])), key

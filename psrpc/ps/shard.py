@@ -71,7 +71,9 @@ class Shard(Replicated, PushChecks):
         self.backup = backup  # a backup: it replays its primary's updates (psrpc/ps/replicas.py)
         self.journal: Optional[Journal] = None  # a primary with backups: where they are
         self.backlog: Optional[Backlog] = Backlog(self) if backup else None
-        self._init_state(spec)
+        self.slots: dict[int, torch.Tensor] = {}  # worker -> its gradient slot (shm)
+        self.shm_mode, self.seq = None, None  # seq: the master copy's write sequence (shm)
+        self._init_state(spec)  # (a table shard's: no dense master copy, none of the above)
         self.optim_cfg = spec.optim  # the schedule: lr by global step
         self.total_steps = spec.max_steps
         self.wire_dtype = WIRE_DTYPES[spec.update.wire_dtype]
@@ -91,8 +93,6 @@ class Shard(Replicated, PushChecks):
         """The master copy and its optimizer (a dense shard: one flat tensor), in shared memory
         with the workers on this host (their gradient slots too) when `spec.shm` says so."""
         self.params = spec.params.to(torch.float32).contiguous()  # CPU, flat: the master copy
-        self.slots: dict[int, torch.Tensor] = {}
-        self.shm_mode, self.seq = None, None  # seq: the master copy's write sequence (shm)
         if spec.shm is not None:
             self.shm_mode, run, ids = spec.shm
             master, self.seq = shm.attach_master(shm.segment(run, self.index, "params"),
