@@ -8,7 +8,7 @@ From Python: `psrpc.train(overrides, model=..., data=...)` (psrpc/api.py).
 Importing psrpc changes nothing in the importing program (no logging setup, no environment).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):

@@ -36,7 +36,7 @@ from psrpc.launch import launch
 from psrpc.process import run_rank
 from psrpc.validate import check_run, check_values, resolve_paths
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # inside the package: a wheel holds it
 Factory = Union[str, dict, None]
 log = logging.getLogger("psrpc")
 
