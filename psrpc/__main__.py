@@ -25,12 +25,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from psrpc import api
+from psrpc import api, helptext
 from psrpc.cluster import membership, partitions, slurm, store
 from psrpc.cluster.launchers import launched, launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
 from psrpc.config import register_configs, to_config
-from psrpc.errors import PsrpcError
+from psrpc.errors import PsrpcError, first_line
 from psrpc.process import setup_logging
 from psrpc.validate import check_run, check_values, resolve_paths
 
@@ -70,7 +70,7 @@ def _leave(code: int = 0) -> None:
     os._exit(code)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
 @record  # under torchrun: the error reaches torchrun's summary instead of Hydra's sys.exit(1)
 def main(dcfg: DictConfig) -> None:
     try:
@@ -121,5 +121,20 @@ def _own_rank() -> bool:
     return started is not None and not started.submitit
 
 
+def cli() -> None:
+    """`python -m psrpc` and the `psrpc` command. --help (-h) is psrpc's own: every key of the
+    config the other arguments compose, its value and its meaning (psrpc/helptext.py);
+    --hydra-help is Hydra's. Everything else goes to Hydra (`main`)."""
+    args = sys.argv[1:]
+    if not helptext.asked(args):
+        main()
+        return
+    try:
+        sys.stdout.write(helptext.text(helptext.overrides_of(args)))
+    except Exception as e:  # a bad override: Hydra's one-line reason, as a run would say it
+        sys.stderr.write(f"psrpc: error: {first_line(e)}\n")
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

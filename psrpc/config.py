@@ -285,6 +285,7 @@ class FaultConfig:
 @dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Processes and how they reach each other: PS and workers, replicas, restarts, transport."""
     update: Any = MISSING
     """Group: sync | async."""
     parallel: Any = MISSING
@@ -302,9 +303,13 @@ class Config:
     optim: Any = MISSING
     """Group: sgd | adam."""
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    """Embedding tables: where their rows live, how the PS updates them, the workers' caches."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop: steps, batch, seed, device, logging and evaluation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Step-consistent checkpoints of every shard, and the automatic restore from them."""
     fault: FaultConfig = field(default_factory=FaultConfig)
+    """Faults injected on purpose (tests, benchmarks, drills): a slow worker, a crash, a NaN."""
     hooks: list[Any] = field(default_factory=list)
     """Extra chief hooks: [{_target_: my.module.MyHook, ...}] (hydra.utils.instantiate)."""
     out_dir: Optional[str] = MISSING
