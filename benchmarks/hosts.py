@@ -87,12 +87,16 @@ def sweep(only: Optional[list[str]] = None) -> None:
 
 class Hosts:
     """`n` emulated hosts joined by a bridge; `rate_mbit`: each link's bandwidth (None: as fast
-    as the machine moves packets); `disk`: a path at which each host sees a folder of its own."""
+    as the machine moves packets); `disk`: a path at which each host sees a folder of its own;
+    `own_name_loopback`: each host's /etc/hosts gives its own name 127.0.1.1, as stock Debian
+    and Ubuntu do (the other hosts' names keep their addresses)."""
 
-    def __init__(self, n: int, rate_mbit: Optional[float] = None, disk: Optional[str] = None):
+    def __init__(self, n: int, rate_mbit: Optional[float] = None, disk: Optional[str] = None,
+                 own_name_loopback: bool = False):
         if (why := missing()) is not None:
             raise RuntimeError(why)
         self.n, self.rate_mbit, self.disk_path = n, rate_mbit, disk
+        self.own_name_loopback = own_name_loopback
         self.id = secrets.token_hex(2)
         self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{self.id}-"))
         self.bridge_ns = f"{PREFIX}{self.id}-br"
@@ -128,9 +132,16 @@ class Hosts:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _hosts_file(self, k: int) -> Path:
+        """Host k's /etc/hosts: every host's name and address (its own at 127.0.1.1 with
+        `own_name_loopback`)."""
+        path = self.root / f"hosts{k}"
+        path.write_text("127.0.0.1 localhost\n" + "".join(
+            f"{'127.0.1.1' if j == k and self.own_name_loopback else self.addr(j)} "
+            f"{self.name(j)}\n" for j in range(self.n)))
+        return path
+
     def _build(self) -> None:
-        (self.root / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
-            f"{self.addr(k)} {self.name(k)}\n" for k in range(self.n)))
         _run("ip", "netns", "add", self.bridge_ns)
         inbr = ("ip", "netns", "exec", self.bridge_ns)
         _run(*inbr, "ip", "link", "add", "br0", "type", "bridge")
@@ -156,7 +167,7 @@ class Hosts:
         its disk) on its network; the holder is the host's init (PID 1)."""
         mounts = [f"hostname {self.name(k)}", "mount --make-rprivate /",
                   "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
-                  f"mount --bind {self.root / 'hosts'} /etc/hosts"]
+                  f"mount --bind {self._hosts_file(k)} /etc/hosts"]
         if self.disk_path:
             Path(self.disk_path).mkdir(parents=True, exist_ok=True)
             mounts.append(f"mount --bind {self.disk(k)} {self.disk_path}")

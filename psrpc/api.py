@@ -29,6 +29,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from psrpc.cluster import netif
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config, register_configs, to_config
 from psrpc.errors import PsrpcError
@@ -105,7 +106,9 @@ def run(cfg: Config, out_dir: Path, timeout_s: Optional[float] = None,
     if topo.rank is None:
         lost = launch(cfg, out_dir, timeout_s=timeout_s)
         log.info("outputs in %s%s", out_dir, f" ({', '.join(lost)} lost)" if lost else "")
-    else:
+    else:  # (a listen address or rendezvous host no other host can use: said now, not after
+        # cluster.init_timeout_s on another host)
+        netif.check_many_hosts(topo.interface, topo.master_addr, topo.nodes)
         run_rank(cfg, topo, out_dir)
         if not topo.is_chief:
             return None

@@ -157,6 +157,28 @@ def test_an_error_or_ctrl_c_inside_tears_everything_down(nothing_left):
             hosts.PREFIX + h.id)] and not [p for p in _holders() if h.id in " ".join(p.cmdline())]
 
 
+def test_a_host_name_that_resolves_to_loopback_stops_the_start_naming_the_key(nothing_left,
+                                                                              tmp_path):
+    """Two hosts whose own names resolve to 127.0.1.1 (stock Debian and Ubuntu), torchrun on
+    each, no cluster.interface: RPC would listen where the other host cannot reach it. Each
+    rank stops at once with one line naming cluster.interface, long before the rendezvous
+    timeout it would otherwise run into (cluster.init_timeout_s, 120 s by default)."""
+    args = on_cpu(["train.steps=20", "cluster.num_workers=1"])
+    with hosts.Hosts(2, own_name_loopback=True) as h:
+        assert h.run(0, [sys.executable, "-c", "import socket; print(socket.gethostbyname("
+                                               "socket.gethostname()))"]).stdout.strip() == \
+            "127.0.1.1"
+        started = time.monotonic()
+        codes = _wait(_agents(h, tmp_path, args, "preflight", procs=(1, 1)), timeout_s=90)
+        took = time.monotonic() - started
+    logs = "".join((tmp_path / f"h{k}.err").read_text() for k in range(2))
+    assert all(c not in (None, 0) for c in codes), (codes, logs)
+    lines = [ln for ln in logs.splitlines() if ln.startswith("psrpc: error:")]
+    assert lines and all("resolves to 127.0.1.1 (loopback)" in ln and "set cluster.interface"
+                         in ln and "eth1 (198.18.0." in ln for ln in lines), logs
+    assert took < 45, f"{took:.1f} s (torchrun's own start and rendezvous included)"
+
+
 @pytest.mark.slow
 def test_two_hosts_under_torchrun_equal_the_local_launcher(nothing_left, tmp_path):
     """Two emulated hosts, a torchrun agent on each (c10d rendezvous on h0, ranks on eth1), 1 PS

@@ -135,3 +135,13 @@ def test_from_env_reads_submitit_local_variables():
                                           r"cluster.num_workers=1 = 2: .*tasks_per_node = 2"):
         Topology.from_env(1, 1, env=env)
     assert Topology.from_env(1, 2, env={**env, "SUBMITIT_LOCAL_NTASKS": "1"}).rank is None
+
+
+def test_a_rendezvous_host_without_an_address_stops_a_many_host_start_naming_it():
+    """On more than one host, a rendezvous host name that does not resolve is said at once
+    (otherwise: a rendezvous timeout); on one host nothing is checked."""
+    from psrpc.cluster import netif
+    from psrpc.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"'nosuchhost\.invalid' \(MASTER_ADDR"):
+        netif.check_many_hosts(netif.loopback_interface(), "nosuchhost.invalid", 2)
+    netif.check_many_hosts(None, "nosuchhost.invalid", 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import Optional
 
 import psutil
 
@@ -49,3 +50,36 @@ def loopback_interface() -> str:
 def is_loopback_interface(name: str) -> bool:
     ips = interfaces().get(name, [])
     return bool(ips) and all(ipaddress.ip_address(ip).is_loopback for ip in ips)
+
+
+def check_many_hosts(interface: Optional[str], master_addr: str, nodes: int) -> None:
+    """Before any rendezvous wait, on a run over `nodes` > 1 hosts: the address this rank will
+    listen on must be one the other hosts can reach, and the rendezvous host must have an
+    address. Either mistake otherwise shows only as a rendezvous timeout (cluster.init_timeout_s)
+    on some other host. With no interface named, TensorPipe listens where this host's name
+    resolves: on Debian and Ubuntu that is 127.0.1.1 unless /etc/hosts says otherwise. A named
+    interface is taken as meant (loopback too: several "hosts" on one machine)."""
+    if nodes <= 1:
+        return
+    try:
+        socket.getaddrinfo(master_addr, None)
+    except OSError as e:
+        raise ConfigError(f"the rendezvous host {master_addr!r} (MASTER_ADDR, or the first "
+                          f"node SLURM lists) has no address here ({e.strerror or e}): name a "
+                          "host every node can resolve, or its IP address") from None
+    if interface is not None:
+        return
+    name = socket.gethostname()
+    try:
+        addr = socket.getaddrinfo(name, None)[0][4][0]
+    except OSError:
+        addr = None
+    if addr is not None and not ipaddress.ip_address(addr).is_loopback:
+        return
+    where = f"resolves to {addr} (loopback)" if addr else "does not resolve"
+    others = [f"{n} ({ips[0]})" for n, ips in sorted(interfaces().items())
+              if ips and not all(ipaddress.ip_address(ip).is_loopback for ip in ips)]
+    raise ConfigError(f"this run spans {nodes} hosts, but this host's name {name!r} {where}, "
+                      f"so RPC would listen where no other host can reach it: set "
+                      f"cluster.interface to this host's network interface"
+                      + (f" ({', '.join(others)})" if others else ""))

@@ -47,6 +47,8 @@ class Topology:
     """Started by Hydra's submitit launcher: this process runs its rank of one job of a sweep."""
     shm_run: Optional[str] = None
     """The local launcher's name for this run's shared-memory segments (it removes them)."""
+    nodes: int = 1
+    """Hosts the launcher spans (torchrun's --nnodes, srun's nodes)."""
     node_workers: Optional[int] = None
     """Workers on this process's node, where the ranks of a node are not consecutive ones
     (cluster.ps_placement=spread); None: counted from the ranks."""
@@ -91,7 +93,7 @@ class Topology:
         if placement == "spread":
             rank, node_workers = spread_rank(started, num_ps)
         return cls(**base, rank=rank, master_addr=started.find_master_addr(),
-                   node_workers=node_workers,
+                   node_workers=node_workers, nodes=started.nodes,
                    master_port=started.master_port, local_rank=started.local_rank,
                    local_world_size=started.local_world_size,
                    restart_count=started.restart_count,
