@@ -30,7 +30,7 @@ from psrpc.cluster import membership, partitions, slurm, store
 from psrpc.cluster.launchers import launched, launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
 from psrpc.config import register_configs, to_config
-from psrpc.errors import PsrpcError, first_line
+from psrpc.errors import PsrpcError, exit_code, first_line, network_failure
 from psrpc.process import setup_logging
 from psrpc.validate import check_run, check_values, resolve_paths
 
@@ -96,20 +96,28 @@ def main(dcfg: DictConfig) -> None:
         logging.getLogger("psrpc").warning("%s; leaving", e)
         partitions.depart()
         _leave()
-    except PsrpcError as e:
+    except Exception as e:
+        if not (isinstance(e, PsrpcError) or network_failure(e)):
+            _abandon()
+            raise  # a bug: its traceback
         # one write, newline included: ranks of a host share one stderr, and a signal between
         # print's two writes would leave the line unended
-        sys.stderr.write(f"psrpc: error: {e}\n")
+        code = exit_code(e)  # 2: fix the input; 138: start this rank again, it rejoins
+        sys.stderr.write(f"psrpc: error: {e if isinstance(e, PsrpcError) else first_line(e)}\n")
         sys.stderr.flush()
         if _own_rank():
             partitions.depart(wait_for_others=False, failed=str(e))  # (none need wait for it)
             store.linger()
-            _leave(2)
-        sys.exit(2)
-    except BaseException:  # a bug, or an interrupt: nobody need wait for this rank either
-        if _own_rank():
-            partitions.depart(wait_for_others=False)
+            _leave(code)
+        sys.exit(code)
+    except BaseException:  # an interrupt: nobody need wait for this rank either
+        _abandon()
         raise
+
+
+def _abandon() -> None:
+    if _own_rank():
+        partitions.depart(wait_for_others=False)
 
 
 def _own_rank() -> bool:

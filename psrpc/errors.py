@@ -1,8 +1,23 @@
-"""User-facing errors: raised for bad input, printed as one line, never as a traceback wall."""
+"""User-facing errors: raised for bad input, printed as one line, never as a traceback wall.
+
+A rank started by torchrun, srun or a Kubernetes engine ends with an exit code its engine can
+act on: EXIT_USER (2) for what starting it again cannot cure (a bad config, missing data, a
+corrupt checkpoint), EXIT_RETRY (138) where this rank lost the run, not its input (the chief, a
+peer or the network went away): started again, it rejoins the live run. 138 is one of the codes
+Kubeflow's training operator retries under its ExitCode restart policy (130, 137, 138, 143).
+"""
+
+EXIT_USER = 2
+EXIT_RETRY = 138
 
 
 class PsrpcError(Exception):
     """An error the user can fix: the message names the key, path or value and what would be right."""
+
+
+class Retryable(PsrpcError):
+    """This rank lost the run (the chief, a peer or the network went away), not its input:
+    started again, it rejoins the live run (EXIT_RETRY)."""
 
 
 class ConfigError(PsrpcError, ValueError):
@@ -42,6 +57,11 @@ def first_line(e: BaseException) -> str:
 
 NETWORK_MARKS = ("RPCErr", "tensorpipe", "ECONNRESET", "ECONNREFUSED", "EPIPE", "timed out",
                  "Connection reset", "Connection refused")
+
+
+def exit_code(e: BaseException) -> int:
+    """The code a rank that ends with `e` exits with (the module's docstring)."""
+    return EXIT_RETRY if isinstance(e, Retryable) or network_failure(e) else EXIT_USER
 
 
 def network_failure(e: BaseException) -> bool:

@@ -22,7 +22,7 @@ from psrpc.cluster import comm, membership, partitions, shm, store
 from psrpc.cluster.comm import rpc_timeout_s
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config
-from psrpc.errors import PsrpcError, first_line, one_of
+from psrpc.errors import PsrpcError, Retryable, first_line, one_of
 from psrpc.ps import service
 from psrpc.session import chief
 from psrpc.session.chief import STOP_WAIT_S, Chief
@@ -215,8 +215,8 @@ def fetch_plan(cfg: Config, topo: Topology, epoch: int):
     try:
         plan = comm.call_sync(topo.chief_name, chief.get_plan, (epoch,),
                               timeout_s=cfg.cluster.init_timeout_s)
-    except Exception as e:
-        raise PsrpcError(
+    except Exception as e:  # (the chief gone or not there yet: started again, this rank asks again)
+        raise Retryable(
             f"{topo.name}: no plan from the chief ({topo.chief_name}) after waiting up to "
             f"{cfg.cluster.init_timeout_s:.0f} s (cluster.init_timeout_s) for it to initialise "
             f"the parameter servers: {first_line(e)}") from e
@@ -265,7 +265,7 @@ def _wait_for_stop(topo: Topology) -> bool:
             if not membership.ended() and partitions.chief_lost(MEMBERSHIP_GRACE_S):
                 membership.rejoin()
                 continue
-            raise PsrpcError(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "
+            raise Retryable(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "
                              f"{first_line(e)}") from e
         if _TERMINATING and not _STOP.is_set():
             limit = TERMINATE_WAIT_S if phase == "finishing" else STOP_WAIT_S

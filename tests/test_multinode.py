@@ -222,3 +222,41 @@ def test_uneven_nodes_for_the_submitit_launcher_is_one_line(tmp_path):
         "psrpc: error: hydra.launcher.nodes=2: cluster.num_ps + cluster.num_workers = 3 ranks do "
         "not split evenly over 2 nodes (submitit starts as many tasks on every node)"), r.stderr
     assert not (tmp_path / "multirun").exists()  # nothing submitted
+
+
+def test_exit_codes_tell_an_engine_whether_a_restart_helps(tmp_path):
+    """Under srun (or a Kubernetes engine), a rank whose config is wrong exits 2 (starting it
+    again cannot help); a PS whose chief was killed exits 138, Kubeflow's retryable code:
+    started again, it would rejoin the run (psrpc/errors.py)."""
+    job = _slurm_job_id()
+
+    def task(i: int, args: list[str]) -> subprocess.Popen:
+        with open(tmp_path / f"task{i}.err", "w") as err:
+            return subprocess.Popen(
+                [sys.executable, "-m", "psrpc", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                stderr=err, start_new_session=True,
+                env=_env(SLURM_JOB_ID=str(job), SLURM_STEP_ID="0", SLURM_PROCID=str(i),
+                         SLURM_LOCALID=str(i), SLURM_NODEID="0", SLURM_NTASKS="2",
+                         SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
+                         SLURM_STEP_NODELIST="localhost"))
+
+    bad = task(0, ["cluster.num_workers=1", "train.batch_size=0"])
+    assert bad.wait(timeout=60) == 2, (tmp_path / "task0.err").read_text()
+    # (a PS waits cluster.init_timeout_s for its engine to start the chief again)
+    args = on_cpu(QUICK + ["cluster.num_workers=1", "train.steps=100000",
+                           "cluster.init_timeout_s=10",
+                           f"cluster.interface={netif.loopback_interface()}"])
+    tasks = [task(i, args) for i in range(2)]
+    try:
+        log = tmp_path / "outputs" / "slurm" / f"{job}.0" / "logs" / "worker0.log"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "step" in log.read_text()):
+            assert time.monotonic() < deadline and tasks[1].poll() is None, "never trained"
+            time.sleep(0.2)
+        os.killpg(tasks[1].pid, signal.SIGKILL)  # the chief (task 1: worker0)
+        code = tasks[0].wait(timeout=120)
+    finally:
+        _stop(tasks, [])
+    err = (tmp_path / "task0.err").read_text()
+    assert code == 138, err
+    assert "psrpc: error: ps0: lost contact with the chief" in err and "Traceback" not in err

@@ -23,7 +23,7 @@ from torch.futures import Future
 
 from psrpc.cluster import store
 from psrpc.cluster.store import GroupAbandoned, _AbortableStore, _process_store, form_timeout_s
-from psrpc.errors import PsrpcError, first_line
+from psrpc.errors import PsrpcError, Retryable, first_line
 
 # A function or method that returns a Future: the RPC thread is released while it waits
 # (a worker parked at the sync barrier holds no thread).
@@ -72,7 +72,7 @@ def _rendezvous(url: str, **kwargs):
 
 
 _ABORT: list = [None]  # init's `abort`, for the rendezvous of the init_rpc under way
-class GroupFailed(PsrpcError):
+class GroupFailed(Retryable):
     """init_rpc failed as an elastic group formed (a member died meanwhile, say)."""
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from psrpc.errors import PsrpcError, first_line
+from psrpc.errors import PsrpcError, Retryable, first_line
 
 WAIT_SLICE_S = 0.1  # a wait of init_rpc asks `abort` this often (the store wakes it at once)
 # An elastic group's members have all arrived when init_rpc starts (membership._gather): what
@@ -39,7 +39,7 @@ def leaving_s(init_timeout_s: float) -> float:
     return GLOO_CONNECT_TRIES * form_timeout_s(init_timeout_s)
 
 
-class GroupAbandoned(PsrpcError):
+class GroupAbandoned(Retryable):
     """init_rpc gave up: the group it was forming will never form (a newer epoch replaced it)."""
 
 
