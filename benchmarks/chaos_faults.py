@@ -382,12 +382,15 @@ def stop_worker(run, rnd, P, W):
     return _hold(run, victim, _at_step(run, rnd), seconds)
 
 
-# A primary gives a hung backup up within its acknowledgement bound (10 s). The stall ends
-# before the workers' RPC timeout (update.timeout_s + 60 s): a PS hung past it fails their
-# calls, and the run (no liveness check ends a hung rank yet). Where the hung PS blocked every
-# push before any primary sent it an update (a table lookup, a clock's ticket), no backup was
-# given up: the fault did not happen.
-STALL_WAIT_S = 40.0
+# A primary gives a hung backup up within its acknowledgement bound (10 s) of the first update
+# it sends there. Where the hung PS holds a primary too, the workers can be waiting for its
+# reply before any other primary has an update for it (the round's other shards already
+# answered, a table lookup, a clock's ticket): then no backup is given up while it is hung. So
+# each stall lasts at most STALL_TRY_S, well under the workers' RPC timeout (update.timeout_s +
+# 60 s); it is tried again (continued, a moment of training, hung again) up to STALL_TRIES
+# times, at other moments of the step.
+STALL_TRY_S = 15.0
+STALL_TRIES = 4
 
 
 def _gave_up(run: Run, backup: str) -> Optional[str]:
@@ -397,6 +400,22 @@ def _gave_up(run: Run, backup: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
+def _stall_until_given_up(run: Run, rnd: random.Random, backup: str) -> tuple[Optional[str], str]:
+    """SIGSTOP `backup` until a primary gives its backup there up (the PS that did, or None),
+    SIGCONT; tried again, at another moment, up to STALL_TRIES times. Also why it missed."""
+    for attempt in range(STALL_TRIES):
+        _, missed = _kill(run, [backup], signal.SIGSTOP)
+        if missed:
+            return None, missed
+        run.wait_for(lambda: _gave_up(run, backup) is not None, STALL_TRY_S, 0.05)
+        run.signal([backup], signal.SIGCONT)
+        if _gave_up(run, backup) is not None:
+            return _gave_up(run, backup), ""
+        time.sleep(rnd.uniform(0.05, 1.0))  # (training goes on a little first)
+    return None, (f"no primary logged that its backup on {backup} did not take an update in "
+                  f"{STALL_TRIES} stalls of {STALL_TRY_S:g} s")
+
+
 def stall_backup_then_kill_primary(run, rnd, P, W):
     """A backup's PS hung until a primary gives its backup there up ("did not take an
     update"), continued, then that primary killed: its shards fail over to a copy that took
@@ -404,19 +423,15 @@ def stall_backup_then_kill_primary(run, rnd, P, W):
     the copy that missed updates."""
     backup = f"ps{rnd.randrange(P)}"
     at = _at_step(run, rnd)
-    _, missed = _kill(run, [backup], signal.SIGSTOP)
     t0 = time.monotonic()
-    run.wait_for(lambda: _gave_up(run, backup) is not None, STALL_WAIT_S, 0.05)
-    primary, waited = _gave_up(run, backup), time.monotonic() - t0
-    run.signal([backup], signal.SIGCONT)
+    primary, missed = _stall_until_given_up(run, rnd, backup)
     did = f"SIGSTOP {backup} at step {at}"
-    if missed or primary is None:
-        return _result(did + f" for {waited:.0f} s, then SIGCONT", True, missed or (
-            f"no primary logged that its backup on {backup} did not take an update within "
-            f"{waited:.0f} s"))
+    if primary is None:
+        return _result(did + " (SIGCONT after each stall)", True, missed)
     hit, missed = _kill(run, [primary])
-    return _result(did + f" until {primary} gave its backup there up ({waited:.1f} s), SIGCONT, "
-                   f"then SIGKILL {hit} at step {run.step()}", True, missed)
+    return _result(did + f" until {primary} gave its backup there up "
+                   f"({time.monotonic() - t0:.1f} s), SIGCONT, then SIGKILL {hit} at step "
+                   f"{run.step()}", True, missed)
 
 
 COPYING = r"copying (\d+) shards to new backups"
