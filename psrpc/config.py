@@ -8,7 +8,7 @@ checks Hydra cannot do (ranges, consistency, factories that import) are psrpc/va
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, ClassVar, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -117,47 +117,76 @@ class ModelParallelConfig:
     """Cut points (indices of the first layer of stages 1..S-1); null: balanced by parameters."""
 
 
+OPTIMIZERS: dict[str, type] = {}  # optim=<name> -> its schema (with its defaults)
+
+
+def optimizer(cls: type) -> type:
+    """Register a dense optimizer: `optim=<name>` on the command line. One class is the whole
+    entry: its fields (with their defaults and docstrings) are the keyword arguments of
+    torch.optim.<torch_class> (the schedule's fields aside); the PS builds it from them
+    (psrpc/optim/dense.py) and psrpc/validate.py checks the ones it knows by name."""
+    OPTIMIZERS[cls.name] = cls
+    return cls
+
+
 @dataclass
 class OptimConfig:
     """What every optimizer has: the learning rate and its schedule (applied on the PS, by
-    global step)."""
+    global step). The schedule's fields are psrpc's; the others go to torch.optim."""
 
+    torch_class: ClassVar[str]  # the torch.optim class the PS builds
     name: str = MISSING
-    lr: float = MISSING
+    lr: float = 0.05
     """Learning rate (the peak, with a schedule)."""
-    weight_decay: float = MISSING
-    """L2 penalty added to the gradient."""
-    schedule: str = MISSING
+    weight_decay: float = 0.0
+    """L2 penalty added to the gradient (AdamW: decoupled, applied to the weights)."""
+    schedule: str = "constant"
     """constant, step (× gamma every step_size steps), cosine or linear (decay to min_lr at
     train.steps)."""
-    warmup_steps: int = MISSING
+    warmup_steps: int = 0
     """Linear warmup from lr/warmup_steps to lr over the first steps (0: none)."""
-    step_size: int = MISSING
+    step_size: int = 1000
     """schedule=step: steps between decays."""
-    gamma: float = MISSING
+    gamma: float = 0.1
     """schedule=step: the factor of each decay."""
-    min_lr: float = MISSING
+    min_lr: float = 0.0
     """schedule=cosine/linear: the learning rate at train.steps."""
 
 
+@optimizer
 @dataclass
 class SGDConfig(OptimConfig):
+    torch_class: ClassVar[str] = "SGD"
     name: str = "sgd"
     """torch.optim.SGD on the PS's flat master copy."""
-    momentum: float = MISSING
+    momentum: float = 0.9
     """Momentum (0: plain SGD)."""
-    nesterov: bool = MISSING
+    nesterov: bool = False
     """Nesterov momentum."""
 
 
+@optimizer
 @dataclass
 class AdamConfig(OptimConfig):
+    torch_class: ClassVar[str] = "Adam"
     name: str = "adam"
     """torch.optim.Adam on the PS's flat master copy."""
-    betas: list[float] = MISSING
+    lr: float = 0.001
+    """Learning rate (the peak, with a schedule)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Coefficients of the running averages of the gradient and its square."""
-    eps: float = MISSING
+    eps: float = 1e-8
     """Added to the denominator for stability."""
+
+
+@optimizer
+@dataclass
+class AdamWConfig(AdamConfig):
+    torch_class: ClassVar[str] = "AdamW"
+    name: str = "adamw"
+    """torch.optim.AdamW on the PS's flat master copy: Adam with decoupled weight decay."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay: the weights shrink by lr × weight_decay each step."""
 
 
 @dataclass
@@ -301,7 +330,7 @@ class Config:
     metric: Dict[str, Any] = MISSING
     """Group: accuracy | mse | auc | custom; the test metric (summary: test_<name>)."""
     optim: Any = MISSING
-    """Group: sgd | adam."""
+    """Group: sgd | adam | adamw (psrpc/config.py's OPTIMIZERS)."""
     sparse: SparseConfig = field(default_factory=SparseConfig)
     """Embedding tables: where their rows live, how the PS updates them, the workers' caches."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -317,7 +346,8 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schemas: `conf/config.yaml` and each group's YAML extend them."""
+    """Register the schemas: `conf/config.yaml` and each group's YAML extend them; each
+    optimizer is a group option of its own (`optim=<name>`, its defaults in its class)."""
     cs = ConfigStore.instance()
     cs.store(name="psrpc_schema", node=Config)
     # Under schema/ so that they do not show up as options of the groups themselves.
@@ -326,10 +356,10 @@ def register_configs() -> None:
         ("update", "async", AsyncUpdateConfig),
         ("parallel", "data", DataParallelConfig),
         ("parallel", "model", ModelParallelConfig),
-        ("optim", "sgd", SGDConfig),
-        ("optim", "adam", AdamConfig),
     ]:
         cs.store(group=f"schema/{group}", name=name, node=node)
+    for name, node in OPTIMIZERS.items():
+        cs.store(group="optim", name=name, node=node)
 
 
 def to_config(cfg: DictConfig) -> Config:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 import psrpc
@@ -61,14 +62,19 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def groups(choices: dict) -> str:
-    """Each config group under psrpc/conf with its options, the chosen one starred."""
+    """Each config group with its options (YAML under psrpc/conf, classes registered in
+    psrpc/config.py such as the optimizers), the chosen one starred."""
+    store = ConfigStore.instance()
+    options: dict[str, set] = {}
+    for folder in (p for p in CONF_DIR.iterdir() if p.is_dir()):
+        options.setdefault(folder.name, set()).update(p.stem for p in folder.glob("*.yaml"))
+    for group in store.list(""):
+        if not group.endswith(".yaml") and group not in HIDDEN_GROUPS:
+            options.setdefault(group, set()).update(Path(n).stem for n in store.list(group))
     lines = []
-    for folder in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
-        if folder.name in HIDDEN_GROUPS:
-            continue
-        chosen = choices.get(folder.name)
-        options = [p.stem + ("*" if p.stem == chosen else "") for p in sorted(folder.glob("*.yaml"))]
-        lines.append(f"  {folder.name:<11} {', '.join(options)}")
+    for group in sorted(set(options) - HIDDEN_GROUPS):
+        named = [o + ("*" if o == choices.get(group) else "") for o in sorted(options[group])]
+        lines.append(f"  {group:<11} {', '.join(named)}")
     return "\n".join(lines)
 
 

@@ -179,16 +179,17 @@ def _validate_optim(o) -> None:
     require(_finite(o.lr), "optim.lr", o.lr, "must be a finite number ≥ 0")
     require(_finite(o.weight_decay), "optim.weight_decay", o.weight_decay,
            "must be a finite number ≥ 0")
-    if o.name == "sgd":
+    if hasattr(o, "momentum"):  # (by field: an optimizer registered later is checked too)
         # momentum ≥ 1 never forgets a gradient: the step grows without bound
         require(_finite(o.momentum) and o.momentum < 1, "optim.momentum", o.momentum,
                "must be in [0, 1)")
         # torch's SGD: Nesterov needs momentum > 0 and no dampening (psrpc has no dampening)
         require(not o.nesterov or o.momentum > 0, "optim.nesterov", o.nesterov,
                f"needs optim.momentum > 0 (it is {o.momentum})")
-    elif o.name == "adam":
+    if hasattr(o, "betas"):
         require(len(o.betas) == 2 and all(_finite(b) and b < 1 for b in o.betas), "optim.betas",
                list(o.betas), "must be two numbers in [0, 1)")
+    if hasattr(o, "eps"):
         require(_finite(o.eps), "optim.eps", o.eps, "must be a finite number ≥ 0")
     one_of(SCHEDULES, o.schedule, "optim.schedule")
     require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be ≥ 0")
