@@ -6,7 +6,7 @@ Each host is a set of namespaces of its own, as a real machine would have:
   its loopback; no route anywhere else;
 - PID: its processes see only each other (TensorPipe's cross-process memory copy and psrpc's
   host id cannot reach across hosts);
-- UTS: its own host name (`h0`, `h1`, ...);
+- UTS: its own host name (`h0`, `h1`, ..., or the first label of the DNS name it is given);
 - mount: its own `/dev/shm` (a tmpfs), an `/etc/hosts` naming every host, and optionally a
   folder of its own mounted at one path every host sees (`disk`: files on each host's own disk).
 
@@ -89,13 +89,19 @@ class Hosts:
     """`n` emulated hosts joined by a bridge; `rate_mbit`: each link's bandwidth (None: as fast
     as the machine moves packets); `disk`: a path at which each host sees a folder of its own;
     `own_name_loopback`: each host's /etc/hosts gives its own name 127.0.1.1, as stock Debian
-    and Ubuntu do (the other hosts' names keep their addresses)."""
+    and Ubuntu do (the other hosts' names keep their addresses); `names`: each host's DNS name
+    (`h0`, `h1`, ... by default), as a cluster's DNS would give it, e.g. a pod's
+    `psrpc-ranks-0-1.psrpc`: the host name is its first label, every host's /etc/hosts names
+    every host by its DNS name and itself by its host name too (as the kubelet writes a pod's)."""
 
     def __init__(self, n: int, rate_mbit: Optional[float] = None, disk: Optional[str] = None,
-                 own_name_loopback: bool = False):
+                 own_name_loopback: bool = False, names: Optional[list[str]] = None):
         if (why := missing()) is not None:
             raise RuntimeError(why)
+        if names is not None and len(names) != n:
+            raise ValueError(f"{len(names)} names for {n} hosts")
         self.n, self.rate_mbit, self.disk_path = n, rate_mbit, disk
+        self.dns_names = list(names) if names is not None else [f"h{k}" for k in range(n)]
         self.own_name_loopback = own_name_loopback
         self.id = secrets.token_hex(2)
         self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{self.id}-"))
@@ -114,7 +120,11 @@ class Hosts:
         return f"{NET}.{FIRST + k}"
 
     def name(self, k: int) -> str:
-        return f"h{k}"
+        """Host k's host name: the first label of its DNS name."""
+        return self.dns_names[k].split(".")[0]
+
+    def dns_name(self, k: int) -> str:
+        return self.dns_names[k]
 
     def disk(self, k: int) -> Path:
         """Host k's own folder (what it sees at `disk`)."""
@@ -133,12 +143,16 @@ class Hosts:
         self.close()
 
     def _hosts_file(self, k: int) -> Path:
-        """Host k's /etc/hosts: every host's name and address (its own at 127.0.1.1 with
-        `own_name_loopback`)."""
+        """Host k's /etc/hosts: every host's DNS name and address, and its own host name (its
+        own at 127.0.1.1 with `own_name_loopback`)."""
+        lines = ["127.0.0.1 localhost"]
+        for j in range(self.n):
+            own_short = j == k and self.name(j) != self.dns_name(j)
+            names = [self.dns_name(j)] + ([self.name(j)] if own_short else [])
+            addr = "127.0.1.1" if j == k and self.own_name_loopback else self.addr(j)
+            lines.append(f"{addr} {' '.join(names)}")
         path = self.root / f"hosts{k}"
-        path.write_text("127.0.0.1 localhost\n" + "".join(
-            f"{'127.0.1.1' if j == k and self.own_name_loopback else self.addr(j)} "
-            f"{self.name(j)}\n" for j in range(self.n)))
+        path.write_text("\n".join(lines) + "\n")
         return path
 
     def _build(self) -> None:
