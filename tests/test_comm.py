@@ -36,3 +36,21 @@ def test_the_default_channels_leave_out_mpt_uv_and_a_bad_name_is_refused():
     with pytest.raises(ConfigError, match=r"cluster.channels=\['tcp'\]: must list TensorPipe "
                                           r"channels from \['cma', 'mpt_uv', 'basic'\]"):
         compose(["cluster.channels=[tcp]"])
+
+
+def test_an_rpc_is_answered_only_while_the_group_that_asked_lasts(monkeypatch):
+    """A Future an RPC returned (a checkpoint's file info, a round's reply) that completes
+    after this process left that group (a membership epoch ended) is not answered: torch's
+    agent, shut down by then, would send it from freed memory. One completed in time is."""
+    @comm.async_execution
+    def later(fut):
+        return fut
+
+    monkeypatch.setattr(comm, "_on_leave", [])  # (leaving, here, runs none of this process's hooks)
+    in_time, late = torch.futures.Future(), torch.futures.Future()
+    answered, dropped = later(in_time), later(late)
+    in_time.set_result(1)
+    comm._left()  # the group ends
+    late.set_result(2)
+    assert answered.wait() == 1 and not dropped.done()
+    assert getattr(later, "_wrapped_async_rpc_function", None) is not None  # still async RPC

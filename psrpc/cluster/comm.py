@@ -7,8 +7,10 @@ the workers.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,9 +27,40 @@ from psrpc.cluster import store
 from psrpc.cluster.store import GroupAbandoned, _AbortableStore, _process_store, form_timeout_s
 from psrpc.errors import PsrpcError, Retryable, first_line
 
-# A function or method that returns a Future: the RPC thread is released while it waits
-# (a worker parked at the sync barrier holds no thread).
-async_execution = rpc.functions.async_execution
+# The RPC group this process is in: its generation goes up when it leaves (`_left`). A Future
+# an RPC of a group returned is answered only while that group lasts: torch's agent sends the
+# answer from the Future's callback, and once the agent is shut down (a membership epoch ends)
+# that callback would use the freed agent (a segmentation fault, or a stray write into memory
+# reused by a tensor). The lock makes leaving wait for an answer being sent.
+_GROUP_LOCK = threading.RLock()  # (an answer can complete another, nested, in its thread)
+_GROUP = [0]
+
+
+def async_execution(fn: Callable) -> Callable:
+    """A function or method that returns a Future: the RPC thread is released while it waits
+    (a worker parked at the sync barrier holds no thread). Its answer goes out only while the
+    group that asked lasts (`_GROUP`): one completed after this process left that group is
+    dropped, as its asker is gone too."""
+
+    @functools.wraps(fn)
+    def answered_in_group(*args, **kwargs):
+        return _in_group(fn(*args, **kwargs))
+    return rpc.functions.async_execution(answered_in_group)
+
+
+def _in_group(fut: Future) -> Future:
+    group, out = _GROUP[0], Future()
+
+    def answer(f: Future) -> None:
+        with _GROUP_LOCK:
+            if _GROUP[0] != group:
+                return
+            try:
+                out.set_result(f.value())
+            except Exception as e:
+                out.set_exception(e)
+    fut.add_done_callback(answer)
+    return out
 RRef = rpc.RRef
 
 _SCHEME = "psrpc"
@@ -156,6 +189,8 @@ def on_leave(hook: Callable[[], None]) -> None:
 
 
 def _left() -> None:
+    with _GROUP_LOCK:  # (after any answer being sent: none goes out from here on)
+        _GROUP[0] += 1
     for hook in _on_leave:
         try:
             hook()
