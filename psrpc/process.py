@@ -259,10 +259,15 @@ def _wait_for_stop(topo: Topology) -> bool:
         try:
             phase = comm.call_sync(topo.chief_name, chief.ping, timeout_s=PING_EVERY_S * 2)
         except Exception as e:
+            # Training over: the chief has left (it counted this rank lost, hung past the
+            # end, and sent it no stop). Nothing failed.
+            if membership.ended():
+                raise membership.TrainingOver(f"{topo.name}: training ended while it waited "
+                                              f"for the chief's stop ({first_line(e)})") from e
             # The chief left the old group for a new epoch's while the ping was under way
             # (the announcement reaches the ranks one by one): join that epoch too. Started
             # again by its engine, the chief marks the attempt failed: stop with its line.
-            if not membership.ended() and partitions.chief_lost(MEMBERSHIP_GRACE_S):
+            if partitions.chief_lost(MEMBERSHIP_GRACE_S):
                 membership.rejoin()
                 continue
             raise Retryable(f"{topo.name}: lost contact with the chief ({topo.chief_name}): "

@@ -54,3 +54,40 @@ def test_bounded_staleness_holds_on_every_shard(tmp_path, layout):
     assert all(s["per_worker_applied"] == shards[0]["per_worker_applied"] for s in shards)
     assert int(shards[0]["per_worker_applied"].get("1", 0)) >= 60 // 2 - 5  # it was waited for
     assert (tmp_path / "ck" / "step-60" / "manifest.json").exists()
+
+
+def test_a_worker_hung_past_the_end_leaves_quietly_once_it_runs_again(tmp_path):
+    """worker1 is stopped (SIGSTOP) at the last step; the chief, once its stop goes unanswered
+    (or worker1's done report does not come), leaves without it. worker1, continued, finds
+    the chief gone after training ended: it leaves quietly, and the run succeeds with the
+    chief's outputs (it used to end the run with 'lost contact with the chief')."""
+    import signal
+    import threading
+    import time
+
+    from tests.test_elastic import _children_named
+
+    summary_file = tmp_path / "summary.json"
+    chief_log = tmp_path / "logs" / "worker0.log"
+
+    def hang_worker1():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                chief_log.exists() and "step   200/200" in chief_log.read_text()):
+            time.sleep(0.01)
+        (worker1,) = _children_named({"psrpc-worker1"})
+        worker1.send_signal(signal.SIGSTOP)
+        while time.monotonic() < deadline and not (
+                summary_file.exists() and not _children_named({"psrpc-worker0"})):
+            time.sleep(0.05)  # until the chief has left
+        worker1.send_signal(signal.SIGCONT)
+
+    hanger = threading.Thread(target=hang_worker1, daemon=True)
+    hanger.start()
+    summary, _ = run_cluster(tmp_path, ["cluster.num_workers=3", "update.replicas_to_aggregate=2",
+                                        "update.timeout_s=3", "train.steps=200",
+                                        "train.log_every=10"])
+    hanger.join(5)
+    assert summary["steps"] == 200
+    said = (tmp_path / "logs" / "worker1.log").read_text()
+    assert "training ended while" in said and "leaving" in said
