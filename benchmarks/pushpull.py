@@ -78,14 +78,12 @@ def in_process_seconds(numel: int, rounds: int, threads: int) -> float:
 
 
 def _in_process(numel: int, rounds: int) -> float:
-    from types import SimpleNamespace
-
+    from psrpc.config import SGDConfig
     from psrpc.optim.dense import build_optimizer
 
     params, model = torch.randn(numel), torch.empty(numel)
     produced, buf = torch.randn(numel) * 1e-3, torch.empty(numel)
-    opt = build_optimizer([params], SimpleNamespace(name="sgd", lr=0.05, momentum=0.9,
-                                                    weight_decay=0.0, nesterov=False))
+    opt = build_optimizer([params], SGDConfig(lr=0.05, momentum=0.9))
     times = []
     for _ in range(rounds + 1):
         t0 = time.perf_counter()

@@ -142,13 +142,12 @@ def test_a_step_applied_ahead_of_a_round_that_does_not_close_is_undone(restore_b
 
     import torch
 
+    from psrpc.config import AdamConfig
     from psrpc.worker.allreduce import DenseAllReduce
     from psrpc.worker.plan import DenseState
 
     params = [torch.randn(5), torch.randn(3)]
-    cfg = SimpleNamespace(optim=SimpleNamespace(name="adam", lr=0.1, betas=[0.9, 0.999],
-                                                eps=1e-8, weight_decay=0.0, schedule="constant",
-                                                warmup_steps=0),
+    cfg = SimpleNamespace(optim=AdamConfig(lr=0.1),
                           train=SimpleNamespace(steps=100), cluster=SimpleNamespace(
                               rpc_timeout_s=None, init_timeout_s=30, shm="auto"),
                           update=SimpleNamespace(timeout_s=30))

@@ -150,10 +150,16 @@ class HostPush:
 
     def _send_grad(self, k: int, version: int, grad: torch.Tensor, loss: float,
                    samples: int) -> None:
+        """Member: a gradient to the leader. A send that fails (the leader closed the socket)
+        breaks nothing here: the reader, waiting for this push's reply, reads why from the
+        same socket (the leader's farewell, or its closed end) and breaks the block with it."""
         data = _bytes(grad)
         sock = self.socks[self.first]
-        sock.sendall(_GRAD.pack(k, version, loss, samples, data.nbytes))
-        sock.sendall(data)
+        try:
+            sock.sendall(_GRAD.pack(k, version, loss, samples, data.nbytes))
+            sock.sendall(data)
+        except OSError:
+            pass
 
     def _gather(self, client, k: int, version: int, grad: torch.Tensor, loss: float,
                 samples: int, fut: Future) -> None:
