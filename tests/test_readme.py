@@ -94,7 +94,7 @@ def _params():
         yield pytest.param(c, marks=marks, id=" ".join(c.args) or "(defaults)")
 
 
-@pytest.mark.parametrize("command", _params())
+@pytest.mark.parametrize("command", list(_params()))
 def test_a_readme_command_runs(tmp_path, command: Command):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
