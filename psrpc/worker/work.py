@@ -57,6 +57,11 @@ def replay_step(self, work: Optional["Work"], pulled: list[Reply]) -> Optional["
         v == w for v, w in zip(self.table_versions, work.table_versions))
     if not behind and not tables_behind:
         return None
+    # The epoch's host-push blocks form first: a worker that computes the step afresh waits
+    # there for every worker's host, this one too (it would otherwise hold that worker until
+    # update.timeout_s closed the round without it)
+    self.host.current(self.cfg, self.index, self.topo.replicas, self.client.shards, self.flat,
+                      self.plan.layouts[0].shard_numel, self.stats)
     futures = [comm.completed(r) for r in pulled]
     for k in behind:
         futures[k] = self.client.push_one(k, work.versions[k], self.flat.grad_to_send(k),
