@@ -19,7 +19,6 @@ from typing import Any, Sequence
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
 import psrpc
 from psrpc import config as schema
@@ -128,9 +127,3 @@ def asked(argv: Sequence[str]) -> bool:
 
 def overrides_of(argv: Sequence[str]) -> list[str]:
     return [a for a in argv if not a.startswith("-")]
-
-
-def to_yaml(overrides: Sequence[str] = ()) -> str:  # (for the tests: the keys help must show)
-    schema.register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return OmegaConf.to_yaml(hydra_compose("config", overrides=list(overrides)))

@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import psrpc
@@ -49,7 +50,9 @@ def _leaves(node, prefix=""):
                                        ["+experiment=movielens_dlrm"]], ids=str)
 def test_help_shows_every_key_with_its_value_and_meaning(overrides):
     text = helptext.text(overrides)
-    composed = OmegaConf.to_container(OmegaConf.create(helptext.to_yaml(overrides)))
+    schema.register_configs()
+    with initialize_config_dir(config_dir=str(helptext.CONF_DIR), version_base="1.3"):
+        composed = OmegaConf.to_container(compose("config", overrides=list(overrides)))
     lines = text.splitlines()
     for key in _leaves(composed):
         shown = [n for n, line in enumerate(lines) if line.startswith(f"  {key} = ")]
