@@ -21,11 +21,13 @@ apply_env_defaults()  # before torch loads: this process is psrpc's own
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from psrpc import api, helptext
+from psrpc import api, helptext, keys
 from psrpc.cluster import membership, partitions, slurm, store
 from psrpc.cluster.launchers import launched, launched_rank, shared_run_id
 from psrpc.cluster.topology import Topology
@@ -134,14 +136,30 @@ def cli() -> None:
     config the other arguments compose, its value and its meaning (psrpc/helptext.py);
     --hydra-help is Hydra's. Everything else goes to Hydra (`main`)."""
     args = sys.argv[1:]
-    if not helptext.asked(args):
-        main()
-        return
     try:
+        args = _translated(args)
+        if not helptext.asked(args):
+            sys.argv[1:] = args
+            main()
+            return
         sys.stdout.write(helptext.text(helptext.overrides_of(args)))
-    except Exception as e:  # a bad override: Hydra's one-line reason, as a run would say it
+    except (PsrpcError, HydraException, OmegaConfBaseException) as e:  # a bad override: one line, as a run says it
         sys.stderr.write(f"psrpc: error: {first_line(e)}\n")
         sys.exit(2)
+
+
+_FLAGS_WITH_VALUE = {"--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
+                     "--experimental-rerun", "--info", "-i"}
+
+
+def _translated(args: list[str]) -> list[str]:
+    """The overrides among Hydra's arguments through psrpc/keys.py (retired keys, the opt-in
+    fault group, "did you mean"); its flags, and their values, as they were."""
+    flags, overrides, after_flag = [], [], False
+    for arg in args:
+        (flags if after_flag or arg.startswith("-") else overrides).append(arg)
+        after_flag = arg in _FLAGS_WITH_VALUE
+    return flags + keys.translate(overrides)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from psrpc import keys
 from psrpc.cluster import netif
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config, register_configs, to_config
@@ -48,7 +49,7 @@ def compose(overrides: Sequence[str] = (), config_dir: Optional[str] = None,
     adds a folder of your own config groups (as the CLI's -cd); `model=`, `data=`, `loss=`,
     `metric=` replace those nodes: an import path, or a dict with `_target_` and arguments."""
     register_configs()
-    overrides = list(overrides)
+    overrides = keys.translate(overrides)
     if config_dir:
         path = Path(cwd or os.getcwd()) / config_dir
         overrides.append(f"hydra.searchpath=[file://{path.resolve()}]")

@@ -26,19 +26,12 @@ class ClusterConfig:
     """Fast path: shards are buckets of about this size, pushed as backward fills them; 0: one
     shard per PS."""
     worker_threads: Optional[int] = MISSING
-    """torch threads per worker; null: this node's cores divided among its workers."""
-    ps_threads: int = MISSING
-    """torch threads per PS (the optimizer step on a flat buffer needs few)."""
-    rpc_threads: int = MISSING
-    """TensorPipe RPC threads per process (a worker waiting at a barrier holds none)."""
-    rpc_timeout_s: Optional[float] = MISSING
-    """Per-call RPC timeout; null: update.timeout_s + 60 (calls parked at a barrier count)."""
+    """torch threads per worker; null: this node's cores divided among its workers (set it
+    where ranks of several runs or emulated hosts share the cores; exactness across runs needs
+    the same count). The rest of the tuning is derived, or environment variables for
+    benchmarks (psrpc/knobs.py)."""
     init_timeout_s: float = MISSING
     """How long ranks wait for each other at start-up, and workers for the chief's init."""
-    transports: Optional[list[str]] = MISSING
-    """TensorPipe transports; ["uv"] halves an idle PS's CPU use; null: TensorPipe's default."""
-    channels: Optional[list[str]] = MISSING
-    """TensorPipe channels (what carries tensors): cma, mpt_uv, basic; null: all three."""
     ps_replicas: int = MISSING
     """k: every shard also lives on k further PS (other hosts first), kept equal to it update by
     update; a lost PS fails over to one without a roll back. 0: none."""
@@ -92,11 +85,11 @@ class AsyncUpdateConfig:
     """A push held by the staleness bound longer than this is released; the laggard counts as lost."""
     wire_dtype: str = MISSING
     """What crosses the wire: float32, bfloat16 or float16 (the master copy stays float32)."""
-    dense: str = MISSING
-    """ps only: dense all-reduce is synchronous (update=sync)."""
-    host_push: str = MISSING
-    """auto or off: each gradient is applied on its own (a host's sum would wait for the
-    host's slowest worker); on is refused."""
+    # One meaning in async, so no key: dense parameters live on the PS (all-reduce is a
+    # synchronous collective) and each gradient is applied on its own (a host's sum would wait
+    # for the host's slowest worker).
+    dense: ClassVar[str] = "ps"
+    host_push: ClassVar[str] = "off"
 
 
 @dataclass
@@ -292,22 +285,24 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    slow_worker: Optional[int] = MISSING
+    """Opt in with `fault=inject`; without it nothing is injected (FaultConfig() is that)."""
+
+    slow_worker: Optional[int] = None
     """Index of a worker that sleeps fault.slow_s before every push; null: none."""
-    slow_s: float = MISSING
+    slow_s: float = 0.0
     """Seconds the slow worker sleeps each step."""
-    crash_role: Optional[str] = MISSING
+    crash_role: Optional[str] = None
     """ps or worker: which kind of process kills itself (SIGKILL); null: none."""
-    crash_index: int = MISSING
+    crash_index: int = 0
     """Index of the process that crashes (ps{k} or worker{i})."""
-    crash_at_step: int = MISSING
+    crash_at_step: int = 0
     """Global step at which it crashes (first attempt of a torchrun group only)."""
-    crash_point: str = MISSING
+    crash_point: str = "after_update"
     """Where: after_update (once the step is applied), or between_backups (a PS with
     cluster.ps_replicas >= 2: after sending the update to its first backup, before the next)."""
-    nan_worker: Optional[int] = MISSING
+    nan_worker: Optional[int] = None
     """Index of a worker that pushes NaN gradients once; null: none."""
-    nan_at_step: int = MISSING
+    nan_at_step: int = 0
     """Global step at which it does."""
 
 
@@ -337,8 +332,9 @@ class Config:
     """The training loop: steps, batch, seed, device, logging and evaluation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Step-consistent checkpoints of every shard, and the automatic restore from them."""
-    fault: FaultConfig = field(default_factory=FaultConfig)
-    """Faults injected on purpose (tests, benchmarks, drills): a slow worker, a crash, a NaN."""
+    fault: Optional[FaultConfig] = None
+    """Group: none | inject. Faults injected on purpose (tests, benchmarks, drills): a slow
+    worker, a crash, a NaN; `fault=inject` makes the keys."""
     hooks: list[Any] = field(default_factory=list)
     """Extra chief hooks: [{_target_: my.module.MyHook, ...}] (hydra.utils.instantiate)."""
     out_dir: Optional[str] = MISSING
@@ -360,8 +356,13 @@ def register_configs() -> None:
         cs.store(group=f"schema/{group}", name=name, node=node)
     for name, node in OPTIMIZERS.items():
         cs.store(group="optim", name=name, node=node)
+    cs.store(group="fault", name="inject", node=FaultConfig)
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """Hydra's config as plain typed objects (dataclasses): what crosses process boundaries."""
-    return OmegaConf.to_object(cfg)
+    """Hydra's config as plain typed objects (dataclasses): what crosses process boundaries.
+    Without `fault=inject`, `fault` is FaultConfig() (nothing injected), never None."""
+    out = OmegaConf.to_object(cfg)
+    if out.fault is None:
+        out.fault = FaultConfig()
+    return out

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 import psrpc
 from psrpc import config as schema
@@ -113,7 +114,8 @@ def text(overrides: Sequence[str] = ()) -> str:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         choices = hydra_compose("config", overrides=list(overrides),
                                 return_hydra_config=True).hydra.runtime.choices
-        cfg = schema.to_config(hydra_compose("config", overrides=list(overrides)))
+        # as composed: `fault` stays null without fault=inject (a run gets FaultConfig())
+        cfg = OmegaConf.to_object(hydra_compose("config", overrides=list(overrides)))
     docs = field_docs(schema.Config)
     out = [USAGE.format(version=psrpc.__version__, groups=groups(choices))]
     for f in dataclasses.fields(cfg):

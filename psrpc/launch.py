@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from psrpc import spawn
+from psrpc import knobs, spawn
 from psrpc.cluster import membership, netif, shm
 from psrpc.cluster.store import host_store
 from psrpc.cluster.topology import Topology, pipeline_stages
@@ -166,7 +166,7 @@ class _Cluster:
         topo = replace(self.topo.with_rank(rank, self.epoch), restart_count=self.attempt)
         self.procs[name] = self.ctx.Process(target=spawn.child, name=name, daemon=False, args=(
             self.cfg, topo, str(self.out_dir), str(self.errors / f"{name}.err"),
-            self.replica_cls, spawn.this_process()))
+            self.replica_cls, spawn.this_process(), knobs.given()))
         self.procs[name].start()
 
     def run(self) -> list[str]:

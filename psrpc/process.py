@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from psrpc import knobs
 from psrpc.cluster import comm, membership, partitions, shm, store
 from psrpc.cluster.comm import rpc_timeout_s
 from psrpc.cluster.topology import Topology
@@ -96,7 +97,7 @@ def setup_logging(rank_name: str, out_dir: Path | None) -> None:
 def set_threads(cfg: Config, topo: Topology) -> int:
     """Workers share the node's cores; a PS needs few (its optimizer step is one flat op)."""
     if topo.role == "ps":
-        n = cfg.cluster.ps_threads
+        n = knobs.PS_THREADS.get()
     else:
         n = cfg.cluster.worker_threads or max(1, (os.cpu_count() or 1) // topo.workers_on_this_node)
     torch.set_num_threads(n)
@@ -136,6 +137,9 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
     setup_logging(topo.name, out_dir)
     log.info("%s is pid %d (process name psrpc-%s)", topo.name, os.getpid(), topo.name)
     install_signal_handlers()
+    if knobs.given():
+        log.info("tuning from the environment: %s",
+                 " ".join(f"{k}={v}" for k, v in knobs.given().items()))
     set_threads(cfg, topo)
     set_tf32(cfg.train.tf32)
     torch.manual_seed(cfg.train.seed)
@@ -146,8 +150,7 @@ def run_rank(cfg: Config, topo: Topology, out_dir: Path, replica_cls=None) -> No
         every rank once a worker is gone for good: psrpc/cluster/membership.py)."""
         comm.init(topo.name, rank, world_size, topo.master_addr, topo.master_port,
                   rpc_timeout_s=rpc_timeout_s(cfg), init_timeout_s=cfg.cluster.init_timeout_s,
-                  threads=cfg.cluster.rpc_threads, transports=cfg.cluster.transports,
-                  channels_=cfg.cluster.channels, attempt=topo.restart_count, interface=topo.interface,
+                  attempt=topo.restart_count, interface=topo.interface,
                   agent_store=topo.agent_store, epoch=epoch, abort=abort)
 
     if topo.role == "ps" and topo.shm_run and cfg.cluster.shm != "off" and shm.available():

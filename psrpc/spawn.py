@@ -23,6 +23,7 @@ import psutil
 from psrpc.cluster import membership, shm
 from psrpc.cluster.topology import Topology
 from psrpc.config import Config
+from psrpc import knobs
 from psrpc.environment import env_defaults
 from psrpc.errors import PsrpcError
 from psrpc.process import run_rank
@@ -55,8 +56,11 @@ def die_with_launcher(pid: int, created: float, shm_run: Optional[str] = None) -
 
 
 def child(cfg: Config, topo: Topology, out_dir: str, error_file: str, replica_cls,
-           launcher: tuple[int, float]) -> None:
-    """Entry of one rank's process (`launcher`: the launcher's pid and start time)."""
+           launcher: tuple[int, float], tuning: dict[str, str]) -> None:
+    """Entry of one rank's process (`launcher`: the launcher's pid and start time; `tuning`:
+    the knobs set in its environment, psrpc/knobs.py, which a forkserver started earlier
+    would not pass on)."""
+    knobs.adopt(tuning)
     membership.install_wakeup()  # first: until now SIGUSR1 was ignored (forkserver_preload)
     die_with_launcher(*launcher, topo.shm_run)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; Ctrl-C reaches it

@@ -19,8 +19,8 @@ import torch
 from hydra._internal.utils import _locate  # what hydra.utils.instantiate imports with
 from torch.utils.data import default_collate
 
+from psrpc import knobs
 from psrpc.cluster import netif
-from psrpc.cluster.comm import CPU_CHANNELS, TRANSPORTS
 from psrpc.cluster.topology import replicas
 from psrpc.cluster.wire import WIRE_DTYPE_NAMES
 from psrpc.config import Config
@@ -52,8 +52,6 @@ def check_values(cfg: Config) -> None:
            "must be ≥ 0 (0: one shard per PS)")
     require(c.worker_threads is None or c.worker_threads >= 1, "cluster.worker_threads",
            c.worker_threads, "must be ≥ 1 or null (automatic)")
-    require(c.ps_threads >= 1, "cluster.ps_threads", c.ps_threads, "must be ≥ 1")
-    require(c.rpc_threads >= 2, "cluster.rpc_threads", c.rpc_threads, "must be ≥ 2")
     require(c.shm in ("auto", "on", "off"), "cluster.shm", c.shm, "must be auto, on or off")
     require(c.max_worker_restarts >= 0, "cluster.max_worker_restarts", c.max_worker_restarts,
            "must be ≥ 0 (0: a worker that dies is lost)")
@@ -63,9 +61,6 @@ def check_values(cfg: Config) -> None:
            c.init_timeout_s, "must be a finite number of seconds > 0")
     require(c.port is None or 0 < c.port < 65536, "cluster.port", c.port,
            "must be a TCP port in 1..65535, or null")
-    require(c.transports is None or (c.transports and set(c.transports) <= set(TRANSPORTS)),
-           "cluster.transports", c.transports,
-           f"must list TensorPipe transports from {list(TRANSPORTS)}, or be null (its default)")
     one_of(("first", "spread"), c.ps_placement, "cluster.ps_placement")
     require(c.ps_placement == "first" or p.name == "data", "cluster.ps_placement",
             c.ps_placement, "spread is for parallel=data (pipeline stages find their devices "
@@ -74,9 +69,6 @@ def check_values(cfg: Config) -> None:
             c.ps_replicas, f"must be an int in 0..num_ps-1 = {c.num_ps - 1} (backups on other PS)")
     require(c.ps_replicas == 0 or p.name == "data", "cluster.ps_replicas", c.ps_replicas,
             "replicas are for parallel=data (a lost pipeline stage is not recovered)")
-    require(c.channels is None or (c.channels and set(c.channels) <= set(CPU_CHANNELS)),
-            "cluster.channels", c.channels,
-            f"must list TensorPipe channels from {list(CPU_CHANNELS)}, or be null (all of them)")
     if c.interface is not None:
         netif.check_interface(c.interface, "cluster.interface")
     if p.name == "model":
@@ -88,16 +80,12 @@ def check_values(cfg: Config) -> None:
                f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
     require(_finite(u.timeout_s) and u.timeout_s > 0, "update.timeout_s", u.timeout_s,
            "must be a finite number of seconds > 0 (every wait has a timeout)")
-    require(c.rpc_timeout_s is None or (_finite(c.rpc_timeout_s) and c.rpc_timeout_s > u.timeout_s),
-           "cluster.rpc_timeout_s",
-           c.rpc_timeout_s, f"must exceed update.timeout_s={u.timeout_s} (calls wait at the "
-           "barrier that long), or be null")
+    knobs.check(u.timeout_s)  # the environment's tuning (psrpc/knobs.py), if any
     one_of(WIRE_DTYPE_NAMES, u.wire_dtype, "update.wire_dtype")
     one_of(("ps", "allreduce"), u.dense, "update.dense")
     one_of(("auto", "on", "off"), u.host_push, "update.host_push")
-    why = None if u.host_push != "on" else (
-        "needs update=sync: in async each gradient is applied on its own" if u.name != "sync"
-        else "is for parallel=data" if p.name != "data" else "is for update.dense=ps" if
+    why = None if u.host_push != "on" else (  # (async has no such key: psrpc/keys.py)
+        "is for parallel=data" if p.name != "data" else "is for update.dense=ps" if
         u.dense != "ps" else "needs every worker in each round, no backup workers" if
         u.replicas_to_aggregate not in (None, replicas(cfg)) else None)
     require(why is None, "update.host_push", "on", f"{why}; use auto or off")
@@ -108,10 +96,7 @@ def check_values(cfg: Config) -> None:
     else:
         require(u.max_staleness is None or u.max_staleness >= 0, "update.max_staleness",
                u.max_staleness, "must be ≥ 0, or null for unbounded")
-    if u.dense == "allreduce":
-        require(u.name == "sync", "update.dense", u.dense,
-                "needs update=sync (an all-reduce waits for every worker); use update.dense=ps "
-                "with update=async")
+    if u.dense == "allreduce":  # (sync only: async has no such key, psrpc/keys.py)
         require(p.name == "data", "update.dense", u.dense,
                 "is for parallel=data (pipeline stages keep their parameters on the PS)")
         require(u.replicas_to_aggregate in (None, replicas(cfg)),

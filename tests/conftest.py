@@ -152,6 +152,17 @@ def _leftovers() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
+def knobs_restored():
+    """psrpc/knobs.py's environment variables as they were before each test: a retired key
+    composed in this process sets one (psrpc/keys.py), and it would outlive the test."""
+    from psrpc import knobs
+
+    before = knobs.given()
+    yield
+    knobs.adopt(before)
+
+
+@pytest.fixture(autouse=True)
 def no_process_left_behind():
     """Every test: once it is over, none of its processes may still run."""
     yield

@@ -29,7 +29,8 @@ def _clean_error(result, *needles):
     (["cluster.num_workers=0"], ["cluster.num_workers=0", "at least 1 worker"]),
     (["update=bogus"], ["update/bogus", "Available options in 'update'", "async", "sync"]),
     (["model=bogus"], ["model/bogus", "cnn", "mlp", "resnet18"]),
-    (["cluster.bogus=1"], ["Key 'bogus' not in 'ClusterConfig'"]),
+    (["cluster.bogus=1"], ["cluster.bogus: not a key of psrpc's config", "--help lists"]),
+    (["cluster.num_wrkers=3"], ["did you mean cluster.num_workers?"]),
     (["train.steps=abc"], ["train.steps", "could not be converted to Integer"]),
     (["update.replicas_to_aggregate=5"], ["update.replicas_to_aggregate=5", "1..2"]),
     (["parallel=model", "cluster.num_workers=3"],
@@ -45,8 +46,8 @@ def _clean_error(result, *needles):
     (["optim.lr=-1"], ["optim.lr=-1.0", "must be a finite number ≥ 0"]),
     (["hooks=[{_target_: no.such.Hook}]"],
      ["hooks[0]._target_='no.such.Hook'", "cannot import it", "No module named 'no'"]),
-    (["cluster.transports=[uv,tcp]"],
-     ["cluster.transports=['uv', 'tcp']", "['uv', 'shm', 'ibv']"]),
+    (["cluster.transports=[uv,tcp]"],  # a retired key: its variable, checked as it was
+     ["cluster.transports is retired", "PSRPC_TP_TRANSPORTS='uv,tcp'", "['uv', 'shm', 'ibv']"]),
     pytest.param(["train.device=cuda"], ["train.device='cuda'", "CUDA is not available"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])

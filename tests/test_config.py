@@ -27,10 +27,8 @@ from tests.conftest import compose
     (["hooks=[{_target_: psrpc.hooks.StopAtStep, last_stpe: 3}]"],
      "hooks[0]: psrpc.hooks.StopAtStep(last_step: 'int') does not take {'last_stpe': 3}"),
     (["hooks=[7]"], "hooks[0]=7: must be a mapping with _target_"),
-    (["cluster.transports=[]"], "cluster.transports=[]: must list TensorPipe transports"),
     (["update.timeout_s=inf"], "update.timeout_s=inf: must be a finite number of seconds > 0"),
     (["cluster.init_timeout_s=0"], "cluster.init_timeout_s=0.0: must be a finite number"),
-    (["cluster.rpc_timeout_s=inf"], "cluster.rpc_timeout_s=inf: must exceed update.timeout_s"),
     (["checkpoint.every_steps=10"], "checkpoint.every_steps=10: needs checkpoint.dir"),
     (["checkpoint.every_s=5"], "checkpoint.every_s=5.0: needs checkpoint.dir"),
     (["fault.nan_worker=0", "fault.nan_at_step=500"],
@@ -71,11 +69,37 @@ def test_bad_value_names_key_value_and_what_is_allowed(overrides, message):
     ["optim=adam", "optim.betas=[0.0,0.0]"],
     ["hooks=[{_target_: psrpc.hooks.StopAtStep, last_step: 3}]"],
     ["hooks=[{_target_: psrpc.hooks.StopAtStep, _partial_: true}]"],
-    ["cluster.transports=[uv,shm]"],
-    ["cluster.transports=null"],
     ["checkpoint.dir=ck", "checkpoint.every_steps=10", "checkpoint.every_s=5"],
     ["sparse.optimizer=sgd", "sparse.eps=0"],  # sgd divides by nothing
     ["sparse.optimizer=adagrad", "sparse.weight_decay=0.01"],
 ])
 def test_good_values_pass(overrides):
     compose(overrides)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"PSRPC_TP_TRANSPORTS": ""}, "PSRPC_TP_TRANSPORTS='': must list TensorPipe transports from"),
+    ({"PSRPC_TP_TRANSPORTS": "uv,tcp"}, "PSRPC_TP_TRANSPORTS='uv,tcp': must list TensorPipe"),
+    ({"PSRPC_TP_CHANNELS": "tcp"}, "PSRPC_TP_CHANNELS='tcp': must list TensorPipe channels from "
+                                   "['cma', 'mpt_uv', 'basic']"),
+    ({"PSRPC_RPC_TIMEOUT_S": "inf"}, "PSRPC_RPC_TIMEOUT_S='inf': must be a finite number"),
+    ({"PSRPC_RPC_TIMEOUT_S": "30"}, "PSRPC_RPC_TIMEOUT_S=30: must exceed update.timeout_s=60"),
+    ({"PSRPC_RPC_THREADS": "1"}, "PSRPC_RPC_THREADS='1': must be an integer ≥ 2"),
+    ({"PSRPC_PS_THREADS": "two"}, "PSRPC_PS_THREADS='two': must be an integer ≥ 1"),
+])
+def test_a_bad_knob_names_its_variable_and_what_is_allowed(monkeypatch, env, message):
+    """The tuning left to environment variables (psrpc/knobs.py) is checked at the start as
+    the keys are."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        compose([])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("env", [{"PSRPC_TP_TRANSPORTS": "uv,shm"}, {"PSRPC_RPC_TIMEOUT_S": "61"},
+                                 {"PSRPC_TP_CHANNELS": "basic,cma,mpt_uv"}])
+def test_good_knobs_pass(monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    compose([])

@@ -149,7 +149,7 @@ def test_a_step_applied_ahead_of_a_round_that_does_not_close_is_undone(restore_b
     params = [torch.randn(5), torch.randn(3)]
     cfg = SimpleNamespace(optim=AdamConfig(lr=0.1),
                           train=SimpleNamespace(steps=100), cluster=SimpleNamespace(
-                              rpc_timeout_s=None, init_timeout_s=30, shm="auto"),
+                              init_timeout_s=30, shm="auto"),
                           update=SimpleNamespace(timeout_s=30))
     flat = SimpleNamespace(params=params, grads=[torch.randn(5), torch.randn(3)])
     ar = DenseAllReduce(cfg, 0, 1, flat, DenseState(0, [p.clone() for p in params], [{}, {}]))

@@ -23,6 +23,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from psrpc import knobs
 from psrpc.cluster import store
 from psrpc.cluster.store import GroupAbandoned, _AbortableStore, _process_store, form_timeout_s
 from psrpc.errors import PsrpcError, Retryable, first_line
@@ -69,20 +70,11 @@ _SCHEME = "psrpc"
 # copy), mpt_uv (each tensor split over several TCP connections), basic (the pipe's own
 # connection). Only CPU tensors cross psrpc's RPCs; naming the channels leaves out the CUDA ones
 # that TensorPipe otherwise adds where CUDA is visible, and whose cuda_ipc aborts the handshake
-# between two hosts (PyTorch issue 95487). psrpc's default (cluster.channels) leaves out mpt_uv
-# too: measured across two emulated hosts it cost DLRM 1.7x in samples/s (its lanes for every
-# small message) and resnet18 12 % at 1 Gbit/s (concurrent pushes share the link where one
-# after another lets the first round close sooner). TensorPipe prefers them in this order.
-# TensorPipe's transports in torch 2.x (its agent raises "Unknown transport" for any other name):
-# TCP via libuv, shared memory on one host, InfiniBand verbs (needs an IB device).
-TRANSPORTS = ("uv", "shm", "ibv")
-CPU_CHANNELS = ("cma", "mpt_uv", "basic")
-
-
-def channels(names: Optional[Sequence[str]]) -> list[str]:
-    """TensorPipe's channels for init_rpc: `names` (cluster.channels), in TensorPipe's order of
-    preference; null: every CPU channel."""
-    return [c for c in CPU_CHANNELS if names is None or c in names]
+# between two hosts (PyTorch issue 95487). psrpc's default (PSRPC_TP_CHANNELS unset: cma, basic)
+# leaves out mpt_uv too: measured across two emulated hosts it cost DLRM 1.7x in samples/s (its
+# lanes for every small message) and resnet18 12 % at 1 Gbit/s (concurrent pushes share the link
+# where one after another lets the first round close sooner). The transports: uv only (TCP via
+# libuv; TensorPipe's default list made an idle PS burn twice the CPU). psrpc/knobs.py.
 
 
 def _rendezvous(url: str, **kwargs):
@@ -110,9 +102,8 @@ class GroupFailed(Retryable):
 
 
 def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_timeout_s: float,
-         init_timeout_s: float, threads: int, transports: Optional[Sequence[str]],
-         channels_: Optional[Sequence[str]] = None, attempt: int = 0, interface: Optional[str] = None, agent_store: bool = False,
-         epoch: int = 0, abort: Optional[Callable[[], bool]] = None) -> None:
+         init_timeout_s: float, attempt: int = 0, interface: Optional[str] = None,
+         agent_store: bool = False, epoch: int = 0, abort: Optional[Callable[[], bool]] = None) -> None:
     """Join the RPC group; rank and world size always explicit (a missing world_size silently
     switches torch to dynamic membership). `epoch`: the membership epoch, a static group of its
     own (torch cannot take a SIGKILLed member back into a group: every membership change is a
@@ -138,13 +129,13 @@ def init(name: str, rank: int, world_size: int, addr: str, port: int, *, rpc_tim
     # group's members are all there already, see FORM_TIMEOUT_S
     form_s = init_timeout_s if abort is None else form_timeout_s(init_timeout_s)
     options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=threads,
+        num_worker_threads=knobs.RPC_THREADS.get(),
         # torch's all-gather at the end of init_rpc waits this long (the calls' default after)
         rpc_timeout=rpc_timeout_s if abort is None else form_s,
         init_method=f"{_SCHEME}://{host}:{port}?timeout_s={init_timeout_s}&attempt={attempt}"
                     f"&agent_store={int(agent_store)}&epoch={epoch}",
-        _transports=list(transports) if transports else None,
-        _channels=channels(channels_),
+        _transports=knobs.TRANSPORTS_KNOB.get(),
+        _channels=knobs.CHANNELS_KNOB.get(),
     )
     _fresh_rpc_module_state()
     # init_rpc's gloo group waits torch's DEFAULT_PROCESS_GROUP_TIMEOUT (24 days) for its
@@ -421,7 +412,6 @@ def _t(timeout_s: Optional[float]) -> float:
 
 
 def rpc_timeout_s(cfg) -> float:
-    """Per-call RPC timeout: above update.timeout_s, since calls wait at the barrier."""
-    if cfg.cluster.rpc_timeout_s is not None:
-        return float(cfg.cluster.rpc_timeout_s)
-    return float(cfg.update.timeout_s) + 60.0
+    """Per-call RPC timeout: above update.timeout_s, since calls wait at the barrier
+    (PSRPC_RPC_TIMEOUT_S overrides it: psrpc/knobs.py)."""
+    return knobs.rpc_timeout_s(cfg.update.timeout_s)
