@@ -3,6 +3,7 @@ launcher announces and the chief ending training exclude each other; an epoch re
 every rank arrived is abandoned by every rank), and a join that waits too long says who is
 missing. The clusters themselves are in test_elastic.py."""
 
+import dataclasses
 import signal
 import threading
 import time
@@ -23,20 +24,21 @@ def store(monkeypatch):
     """The launcher's store, this process a rank of it (ps0 unless a test says)."""
     server = rendezvous.host_store("127.0.0.1", free_port(), 10)
     monkeypatch.setitem(rendezvous._STORES, "current", server)
-    monkeypatch.setattr(membership, "_STATE", dict(membership._STATE))
+    before = dataclasses.replace(membership.STATE)
     previous = signal.getsignal(signal.SIGUSR1)
     membership.open_attempt(server, 0)
     membership.setup(0, 0, lambda *a: None, 0, NAMES, timeout_s=1.0)
-    membership._CHANGE.clear()
+    membership.CHANGE.clear()
     yield server
-    membership._CHANGE.clear()
+    membership.CHANGE.clear()
+    membership.STATE.become(before)
     signal.signal(signal.SIGUSR1, previous)
 
 
 def test_an_epoch_announced_first_is_joined_before_training_may_end(store):
     assert membership.announce(store, 0, 1, ["worker1"])
     assert not membership.finish() and membership.changing()  # the chief joins epoch 1 first
-    membership._STATE["epoch"] = 1
+    membership.STATE.epoch = 1
     assert membership.finish()
     assert not membership.announce(store, 0, 2, ["worker1"])  # after it: nobody started again
     assert membership.training_over(store, 0) and membership.announced() == 1
@@ -47,7 +49,7 @@ def test_an_epoch_replaced_before_every_rank_arrived_is_abandoned_by_every_rank(
     threading.Timer(0.3, membership.announce, (store, 0, 2, ["worker0"])).start()
     assert membership._gather(1, time.monotonic() + 5) is False  # ps0 waited, then left
     for rank in (1, 2):  # the others arrive late: all three are there, but it is abandoned
-        membership._STATE["rank"] = rank
+        membership.STATE.rank = rank
         assert membership._gather(1, time.monotonic() + 5) is False
 
 
@@ -56,24 +58,24 @@ def test_an_epoch_forms_without_a_worker_gone_for_good_and_numbers_the_others_ag
     and worker1 (ranks 0 and 1 of 2), and it forms once those two arrive."""
     assert membership.announce(store, 0, 1, ["ps0"], gone=["worker0"])
     joined = []
-    membership._STATE["join"] = lambda epoch, abort, rank, world: joined.append((rank, world))
+    membership.STATE.join = lambda epoch, abort, rank, world: joined.append((rank, world))
 
     def ps0_arrives():  # as ps0's own _gather would, in its process
-        store.set(membership._gather_key(0, 1, 0), "1")
-        if store.add(membership._gather_key(0, 1, "count"), 1) >= 2:
-            store.compare_set(membership._gather_key(0, 1, "state"), "", "go")
+        store.set(membership.gather_key(0, 1, 0), "1")
+        if store.add(membership.gather_key(0, 1, "count"), 1) >= 2:
+            store.compare_set(membership.gather_key(0, 1, "state"), "", "go")
 
-    membership._STATE["rank"] = 2  # worker1 arrives first, ps0 0.3 s later
+    membership.STATE.rank = 2  # worker1 arrives first, ps0 0.3 s later
     threading.Timer(0.3, ps0_arrives).start()
     assert membership._join_newest() == 1 and joined == [(1, 2)]
     assert membership.members(1) == [0, 2] and membership.members(0) == [0, 1, 2]
-    membership._STATE["rank"] = 1  # worker0 itself has no place in it
+    membership.STATE.rank = 1  # worker0 itself has no place in it
     with pytest.raises(PsrpcError, match=r"^worker0: membership epoch 1 lists it as gone"):
         membership.group_rank(1)
 
 
 def test_a_rank_missing_from_an_epoch_is_named_after_the_timeout(store):
-    membership._STATE["rank"] = 1
+    membership.STATE.rank = 1
     t0 = time.monotonic()
     with pytest.raises(PsrpcError, match=r"^worker0: membership epoch 0: ps0, worker1 did not "
                                          r"join within 1 s \(cluster.init_timeout_s\)"):
@@ -86,10 +88,10 @@ def _arrive(epoch: int, ranks, formed=()) -> None:
     group formed."""
     s = rendezvous.store()
     for r in ranks:
-        s.set(membership._gather_key(0, epoch, r), "1")
-    s.set(membership._gather_key(0, epoch, "state"), "go")
+        s.set(membership.gather_key(0, epoch, r), "1")
+    s.set(membership.gather_key(0, epoch, "state"), "go")
     for r in formed:
-        s.set(membership._gather_key(0, epoch, f"formed/{r}"), "1")
+        s.set(membership.gather_key(0, epoch, f"formed/{r}"), "1")
 
 
 @pytest.mark.parametrize("formed", [True, False], ids=["formed", "never-formed"])
@@ -102,7 +104,7 @@ def test_a_rank_maybe_leaving_a_group_that_never_formed_gets_the_time_gloo_may_h
     _arrive(0, range(3), formed=range(3))
     _arrive(1, range(3), formed=[0, 1] + ([2] if formed else []))
     monkeypatch.setattr(rendezvous, "GLOO_CONNECT_TRIES", 1)  # (1 s more here, not 1.25)
-    membership._STATE["timeout_s"] = 1.0
+    membership.STATE.timeout_s = 1.0
     with pytest.raises(PsrpcError, match=r"worker1 did not join within 1 s "
                        r"\(cluster.init_timeout_s\)" + ("$" if formed else
                        r" and 0.25 s more \(what leaving epoch 1's group, which did not form, "
@@ -112,10 +114,10 @@ def test_a_rank_maybe_leaving_a_group_that_never_formed_gets_the_time_gloo_may_h
     if not formed:  # the rank arrives within the extra time: the epoch forms
         def arrive_late(r):
             s = rendezvous.store()
-            s.set(membership._gather_key(0, 3, r), "1")
-            if s.add(membership._gather_key(0, 3, "count"), 1) >= len(NAMES):
-                s.compare_set(membership._gather_key(0, 3, "state"), "", "go")
-        membership._STATE["rank"] = 1
+            s.set(membership.gather_key(0, 3, r), "1")
+            if s.add(membership.gather_key(0, 3, "count"), 1) >= len(NAMES):
+                s.compare_set(membership.gather_key(0, 3, "state"), "", "go")
+        membership.STATE.rank = 1
         monkeypatch.setattr(rendezvous, "GLOO_CONNECT_TRIES", 8)  # 2 s more
         arrive_late(0)
         late = threading.Timer(1.5, arrive_late, (2,))
@@ -133,8 +135,9 @@ def test_a_ps_that_lost_the_chief_waits_for_its_word_longer_than_the_grace(store
     that line, naming the chief, as soon as the line is in the store."""
     from psrpc.cluster import partitions
 
-    monkeypatch.setattr(partitions, "_STATE", membership._STATE)  # (the fixture's copy)
-    membership._STATE.update(self_announce=True, timeout_s=30.0)
+    membership.STATE.self_announce = True
+
+    membership.STATE.timeout_s = 30.0
     line = "the chief (worker0) was lost and started again: start the job again"
     threading.Timer(1.5, store.set, (membership.failed_key(0), line)).start()
     t0 = time.monotonic()
@@ -146,8 +149,9 @@ def test_a_ps_that_lost_the_chief_waits_for_its_word_longer_than_the_grace(store
 def test_a_ps_that_lost_the_chief_joins_an_epoch_announced_meanwhile(store, monkeypatch):
     from psrpc.cluster import partitions
 
-    monkeypatch.setattr(partitions, "_STATE", membership._STATE)  # (the fixture's copy)
-    membership._STATE.update(self_announce=True, timeout_s=30.0)
+    membership.STATE.self_announce = True
+
+    membership.STATE.timeout_s = 30.0
     threading.Timer(1.0, membership.announce, (store, 0, 1, ["worker0"])).start()
     assert partitions.chief_lost(grace_s=0.5) and membership.changing()
 
@@ -169,9 +173,9 @@ def test_a_chief_that_fails_marks_the_attempt_failed_with_its_line(store, monkey
     wait for it (a PS pinging it stops with that line at once, not after a timeout)."""
     from psrpc.cluster import partitions
 
-    monkeypatch.setattr(partitions, "_STATE", membership._STATE)
     monkeypatch.setitem(rendezvous._WHERE, "hosted", True)  # (this process's store: no client)
-    membership._STATE.update(self_announce=True, rank=1)  # worker0
+    membership.STATE.self_announce = True
+    membership.STATE.rank = 1  # worker0
     partitions.depart(wait_for_others=False, failed="worker0: the data path is missing")
     assert store.get(membership.failed_key(0)) == \
         b"the chief failed: worker0: the data path is missing"
@@ -183,9 +187,9 @@ def test_the_stores_host_leaves_once_every_rank_has_said_it_leaves(store, monkey
     end must find there that training is over), and not past it."""
     from psrpc.cluster import partitions
 
-    monkeypatch.setattr(partitions, "_STATE", membership._STATE)
     monkeypatch.setitem(rendezvous._WHERE, "hosted", True)
-    membership._STATE.update(self_announce=True, timeout_s=30.0)
+    membership.STATE.self_announce = True
+    membership.STATE.timeout_s = 30.0
     for rank, after_s in ((1, 0.3), (2, 1.0)):
         threading.Timer(after_s, store.set, (f"psrpc/attempt-0/left/{rank}", "1")).start()
     t0 = time.monotonic()

@@ -25,7 +25,7 @@ from torch.futures import Future
 
 from psrpc import knobs
 from psrpc.cluster import store
-from psrpc.cluster.store import GroupAbandoned, _AbortableStore, _process_store, form_timeout_s
+from psrpc.cluster.store import GroupAbandoned, AbortableStore, process_store, form_timeout_s
 from psrpc.errors import PsrpcError, Retryable, first_line
 
 # The RPC group this process is in: its generation goes up when it leaves (`_left`). A Future
@@ -86,12 +86,12 @@ def _rendezvous(url: str, **kwargs):
     query = {k: v[0] for k, v in parse_qs(parsed.query).items()}
     rank, world_size = int(query["rank"]), int(query["world_size"])
     timeout = timedelta(seconds=float(query["timeout_s"]))
-    store = _process_store(parsed.hostname, parsed.port, rank, world_size, timeout,
+    store = process_store(parsed.hostname, parsed.port, rank, world_size, timeout,
                            agent_store=query["agent_store"] == "1")
     # torchrun's agent store outlives a restart of the group, and the store outlives a
     # membership epoch: a fresh key space for each
     prefix = f"psrpc/attempt-{query['attempt']}/epoch-{query.get('epoch', '0')}"
-    yield (_AbortableStore(dist.PrefixStore(prefix, store), _ABORT[0], timeout.total_seconds()),
+    yield (AbortableStore(dist.PrefixStore(prefix, store), _ABORT[0], timeout.total_seconds()),
            rank, world_size)
     raise RuntimeError("psrpc's rendezvous runs once per init_rpc")  # as torch's tcp:// one
 

@@ -35,6 +35,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from psrpc.cluster import comm, store
@@ -42,10 +43,30 @@ from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
 
-_CHANGE = threading.Event()  # SIGUSR1: the launcher announced a new epoch
-_STATE: dict = {"epoch": 0, "join": None, "attempt": 0, "rank": 0, "names": [],
-                "timeout_s": 120.0, "elastic": False, "self_announce": False, "over": False}
-_STOPPING = threading.Event()  # SIGTERM/SIGINT: a join in progress gives up (see `stop`)
+CHANGE = threading.Event()  # SIGUSR1: the launcher announced a new epoch
+
+
+@dataclass
+class RankState:
+    """This rank's place in the membership, set by `setup` (partitions.py reads it too)."""
+
+    epoch: int = 0                    # the membership epoch whose group this rank is in
+    join: Optional[Callable[..., None]] = None  # joins an epoch's group (see `setup`)
+    attempt: int = 0                  # the run's restart count (a fresh key space each)
+    rank: int = 0                     # among every rank of the run
+    names: list[str] = field(default_factory=list)  # every rank's name, by rank
+    timeout_s: float = 120.0          # how long a join may wait (cluster.init_timeout_s)
+    elastic: bool = False             # epochs are announced in the store
+    self_announce: bool = False       # the ranks announce them (torchrun, srun), not a launcher
+    over: bool = False                # the chief said training ended
+
+    def become(self, other: "RankState") -> None:
+        """Every field of `other` (one object, which partitions.py holds too)."""
+        vars(self).update(vars(other))
+
+
+STATE = RankState()
+STOPPING = threading.Event()  # SIGTERM/SIGINT: a join in progress gives up (see `stop`)
 FINISHED = "finished"  # the epoch key's value once the chief has ended training: "3 finished"
 # A group that failed to form (a member died as it formed, its peers saw the connection go):
 # how long to wait for the launcher to announce the next epoch (it polls every 50 ms)
@@ -86,17 +107,17 @@ def failed_key(attempt: int) -> str:
 
 def _raise_if_failed(s) -> None:
     """Stop with the line of a rank that marked this attempt failed (no epoch mends it)."""
-    key = failed_key(_STATE["attempt"])
+    key = failed_key(STATE.attempt)
     if s.check([key]):
-        raise PsrpcError(f"{_me()}: {s.get(key).decode()}")
+        raise PsrpcError(f"{me()}: {s.get(key).decode()}")
 
 
-def _gather_key(attempt: int, epoch: int, what) -> str:
+def gather_key(attempt: int, epoch: int, what) -> str:
     return f"psrpc/attempt-{attempt}/epoch-{epoch}/gather/{what}"
 
 
 def _on_wakeup(signum, frame) -> None:
-    _CHANGE.set()
+    CHANGE.set()
 
 
 def install_wakeup() -> None:
@@ -113,16 +134,16 @@ def setup(epoch: int, attempt: int, join: Callable[..., None], rank: int = 0,
     among every rank, every rank's name
     (by rank) and how long a join may wait (cluster.init_timeout_s). Needs the process's store
     (`store.connect_store`) where the local launcher hosts epochs."""
-    _STATE.update(epoch=epoch, join=join, attempt=attempt, rank=rank, names=list(names or []),
-                  timeout_s=timeout_s, self_announce=False, over=False)
+    STATE.become(RankState(epoch=epoch, join=join, attempt=attempt, rank=rank,
+                           names=list(names or []), timeout_s=timeout_s))
     try:
         s = store.store()
         if not s.check([_launcher_key(attempt)]):  # torchrun, srun: the ranks keep the epochs
             s.compare_set(epoch_key(attempt), "", "0")  # (the first one opens the attempt)
-            _STATE["self_announce"] = True
-        _STATE["elastic"] = bool(s.check([epoch_key(attempt)]))
+            STATE.self_announce = True
+        STATE.elastic = bool(s.check([epoch_key(attempt)]))
     except Exception:  # no store yet, or a foreign one: nobody announces epochs
-        _STATE["elastic"] = False
+        STATE.elastic = False
     if signal.getsignal(signal.SIGUSR1) is not _on_wakeup:
         install_wakeup()
 
@@ -130,16 +151,16 @@ def setup(epoch: int, attempt: int, join: Callable[..., None], rank: int = 0,
 def stop() -> None:
     """SIGTERM/SIGINT: a join under way gives up (the engine is stopping every rank: torchrun
     restarting the group waits 30 s for a rank that does not leave)."""
-    _STOPPING.set()
+    STOPPING.set()
 
 
 def enter() -> int:
     """Join the group for the first time: the newest epoch where the launcher announces them
     (not necessarily the one this rank was started for), else the one it was started for."""
-    if not _STATE["elastic"]:
-        _STATE["join"](_STATE["epoch"])
-        return _STATE["epoch"]
-    _CHANGE.clear()  # the epoch is read below: an earlier wake-up is stale
+    if not STATE.elastic:
+        STATE.join(STATE.epoch)
+        return STATE.epoch
+    CHANGE.clear()  # the epoch is read below: an earlier wake-up is stale
     return _join_newest()
 
 
@@ -156,7 +177,7 @@ def wake_on_change(event: threading.Event) -> None:
 
 
 def changing() -> bool:
-    return _CHANGE.is_set()
+    return CHANGE.is_set()
 
 
 def wait_change(timeout_s: float) -> bool:
@@ -165,19 +186,19 @@ def wait_change(timeout_s: float) -> bool:
     at once where nobody announces epochs (torchrun restarts the whole group instead). Where
     the ranks announce epochs, raises with the line of a rank that marked the attempt failed
     meanwhile (the chief started again, say: no epoch mends that)."""
-    if _CHANGE.is_set():
+    if CHANGE.is_set():
         return True
-    if not _STATE["elastic"]:
+    if not STATE.elastic:
         return False
     deadline = time.monotonic() + timeout_s
-    while not _CHANGE.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
-        if _STOPPING.is_set():  # the engine is stopping every rank: no change to wait for
+    while not CHANGE.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        if STOPPING.is_set():  # the engine is stopping every rank: no change to wait for
             return False
         try:
             if announced() > current():
-                _CHANGE.set()
+                CHANGE.set()
                 break
-            if _STATE["self_announce"]:
+            if STATE.self_announce:
                 _raise_if_failed(store.store())
         except PsrpcError:
             raise
@@ -189,36 +210,36 @@ def wait_change(timeout_s: float) -> bool:
 
 
 def current() -> int:
-    return _STATE["epoch"]
+    return STATE.epoch
 
 
 def group_prefix(what: str) -> str:
     """A store prefix for a process group formed in the current epoch (the dense all-reduce):
     every epoch's is new, so a group of a gone epoch never meets a newer one's keys."""
-    return f"psrpc/attempt-{_STATE['attempt']}/epoch-{current()}/{what}/"
+    return f"psrpc/attempt-{STATE.attempt}/epoch-{current()}/{what}/"
 
 
 def run_prefix(what: str) -> str:
     """A store prefix for what holds through every epoch of this attempt (a backup's fence:
     psrpc/ps/replicas.py), and is gone with it (a restarted group starts from a checkpoint)."""
-    return f"psrpc/attempt-{_STATE['attempt']}/{what}/"
+    return f"psrpc/attempt-{STATE.attempt}/{what}/"
 
 
-def _parse(value: bytes) -> tuple[int, bool]:
+def parse_epoch(value: bytes) -> tuple[int, bool]:
     parts = value.decode().split()
     return int(parts[0]), FINISHED in parts[1:]
 
 
 def announced() -> int:
     """The latest epoch the launcher announced."""
-    return _parse(store.store().get(epoch_key(_STATE["attempt"])))[0]
+    return parse_epoch(store.store().get(epoch_key(STATE.attempt)))[0]
 
 
 def why(epoch: int) -> tuple[str, Optional[float]]:
     """(the ranks started again, comma-separated; when their deaths were seen) for epoch
     `epoch`."""
     try:
-        name, at = store.store().get(event_key(_STATE["attempt"], epoch)).decode().rsplit(" ", 1)
+        name, at = store.store().get(event_key(STATE.attempt, epoch)).decode().rsplit(" ", 1)
         return name, float(at)
     except Exception:  # an older or foreign store: the epoch still works without it
         return "?", None
@@ -227,8 +248,8 @@ def why(epoch: int) -> tuple[str, Optional[float]]:
 def rejoin() -> Optional[int]:
     """Leave this group and join the newest announced epoch's; returns that epoch, or None when
     nothing newer than the current epoch was announced (a stale wake-up: nothing to do)."""
-    _CHANGE.clear()  # a change announced from here on is seen at the next wait
-    if not _STATE["elastic"] or announced() <= current():
+    CHANGE.clear()  # a change announced from here on is seen at the next wait
+    if not STATE.elastic or announced() <= current():
         return None
     t0 = time.monotonic()
     comm.shutdown(graceful=False)
@@ -237,8 +258,9 @@ def rejoin() -> Optional[int]:
     return target
 
 
-def _me() -> str:
-    names, rank = _STATE["names"], _STATE["rank"]
+def me() -> str:
+    """This rank's name (ps0, worker1, ...), for the lines it logs."""
+    names, rank = STATE.names, STATE.rank
     return names[rank] if rank < len(names) else f"rank {rank}"
 
 
@@ -247,7 +269,7 @@ def _join_newest() -> int:
     formed is abandoned for that one; each epoch's gathering waits at most
     cluster.init_timeout_s (longer for a rank that may still be leaving an earlier epoch's
     group that did not form: `_leaving`), its group's forming less (store.form_timeout_s)."""
-    timeout_s = _STATE["timeout_s"]
+    timeout_s = STATE.timeout_s
     while True:
         target = announced()
         if not _gather(target, time.monotonic() + timeout_s):
@@ -255,23 +277,23 @@ def _join_newest() -> int:
                 _given_up(target)
             continue  # a newer epoch replaced it before everyone arrived
         try:  # given up at once when a newer epoch is announced while the group forms
-            _STATE["join"](target, lambda: _STOPPING.is_set() or announced() > target,
+            STATE.join(target, lambda: STOPPING.is_set() or announced() > target,
                            *group_rank(target))
-            store.store().set(_gather_key(_STATE["attempt"], target, f"formed/{_STATE['rank']}"),
+            store.store().set(gather_key(STATE.attempt, target, f"formed/{STATE.rank}"),
                               "1")
         except Exception as e:
             comm.abandon()  # whatever init_rpc left half-made
-            if _STOPPING.is_set():
-                raise PsrpcError(f"{_me()}: stopped by a signal while joining membership "
+            if STOPPING.is_set():
+                raise PsrpcError(f"{me()}: stopped by a signal while joining membership "
                                  f"epoch {target}") from e
             if _newer_within(target, CHANGE_GRACE_S):  # a rank died while the group formed
                 log.warning("membership epoch %d did not form (%s); joining epoch %d", target,
                             first_line(e), announced())
                 continue
-            raise PsrpcError(f"{_me()}: membership epoch {target}: the RPC group did not form "
+            raise PsrpcError(f"{me()}: membership epoch {target}: the RPC group did not form "
                              f"and no newer epoch came within {CHANGE_GRACE_S:g} s: "
                              f"{first_line(e)}") from e
-        _STATE["epoch"] = target
+        STATE.epoch = target
         return target
 
 
@@ -280,12 +302,12 @@ def _given_up(epoch: int) -> None:
     newer epoch (the local launcher's, once it has started the missing rank again), else stop
     with that rank's line (where the ranks announce epochs it is final, in failed_key)."""
     s = store.store()
-    deadline = time.monotonic() + _STATE["timeout_s"]
+    deadline = time.monotonic() + STATE.timeout_s
     while announced() <= epoch:
         _raise_if_failed(s)
         if time.monotonic() >= deadline:
-            raise PsrpcError(f"{_me()}: membership epoch {epoch} was given up with ranks "
-                             f"missing, and no newer epoch came within {_STATE['timeout_s']:g} "
+            raise PsrpcError(f"{me()}: membership epoch {epoch} was given up with ranks "
+                             f"missing, and no newer epoch came within {STATE.timeout_s:g} "
                              f"s (cluster.init_timeout_s)")
         time.sleep(POLL_S)
 
@@ -305,50 +327,50 @@ def _gather(epoch: int, deadline: float) -> bool:
     False: a newer epoch was announced first and this one is abandoned (by everyone: the
     decision is one compare-and-set in the store, so no rank joins an epoch others left).
     Raises when ranks are still missing at `deadline`."""
-    s, attempt, rank = store.store(), _STATE["attempt"], _STATE["rank"]
+    s, attempt, rank = store.store(), STATE.attempt, STATE.rank
     ranks = members(epoch)
-    state = _gather_key(attempt, epoch, "state")
-    s.set(_gather_key(attempt, epoch, rank), "1")
-    if s.add(_gather_key(attempt, epoch, "count"), 1) >= len(ranks):
+    state = gather_key(attempt, epoch, "state")
+    s.set(gather_key(attempt, epoch, rank), "1")
+    if s.add(gather_key(attempt, epoch, "count"), 1) >= len(ranks):
         s.compare_set(state, "", "go")  # the last to arrive (unless abandoned first)
     extended = None
 
     def missing() -> list[int]:
-        return [r for r in ranks if not s.check([_gather_key(attempt, epoch, r)])]
+        return [r for r in ranks if not s.check([gather_key(attempt, epoch, r)])]
 
     while True:
         if store.wait_for(s, [state], POLL_S):
             return s.get(state) == b"go"
-        if _STOPPING.is_set():
-            raise PsrpcError(f"{_me()}: stopped by a signal while joining membership epoch "
+        if STOPPING.is_set():
+            raise PsrpcError(f"{me()}: stopped by a signal while joining membership epoch "
                              f"{epoch}")
         _raise_if_failed(s)
         newer = announced() > epoch
         if not newer and time.monotonic() >= deadline and extended is None:
             if (leaving := _leaving(s, epoch, missing())) is not None:
                 extended = leaving  # (see `_leaving`): once
-                deadline = time.monotonic() + store.leaving_s(_STATE["timeout_s"])
+                deadline = time.monotonic() + store.leaving_s(STATE.timeout_s)
                 continue
         if newer or time.monotonic() >= deadline:
             if s.compare_set(state, "", "abandoned") == b"go":
                 return True  # everyone arrived just before: this epoch's group forms
             if newer:
                 return False
-            names = ", ".join(_STATE["names"][r] for r in missing())
+            names = ", ".join(STATE.names[r] for r in missing())
             why = (f"membership epoch {epoch}: {names} did not join within "
-                   f"{_STATE['timeout_s']:g} s (cluster.init_timeout_s)")
+                   f"{STATE.timeout_s:g} s (cluster.init_timeout_s)")
             if extended is not None:
-                why += (f" and {store.leaving_s(_STATE['timeout_s']):g} s more (what leaving "
+                why += (f" and {store.leaving_s(STATE.timeout_s):g} s more (what leaving "
                         f"epoch {extended}'s group, which did not form, may take)")
-            if _STATE["self_announce"]:  # final: no rank asks for another epoch (the first wins)
+            if STATE.self_announce:  # final: no rank asks for another epoch (the first wins)
                 why = s.compare_set(failed_key(attempt), "", why).decode() or why
-            raise PsrpcError(f"{_me()}: {why}")
+            raise PsrpcError(f"{me()}: {why}")
 
 
 def gone(epoch: int) -> list[str]:
     """The ranks out of epoch `epoch` for good (workers the local launcher lost with no restart
     left), by name; [] where nobody announces them (torchrun, srun, an older store)."""
-    key = gone_key(_STATE["attempt"], epoch)
+    key = gone_key(STATE.attempt, epoch)
     try:
         s = store.store()
         return s.get(key).decode().split(",") if s.check([key]) else []
@@ -359,7 +381,7 @@ def gone(epoch: int) -> list[str]:
 def members(epoch: int) -> list[int]:
     """The ranks of epoch `epoch`'s group: every rank but those gone for good."""
     out = set(gone(epoch))
-    return [r for r, name in enumerate(_STATE["names"]) if name not in out]
+    return [r for r, name in enumerate(STATE.names) if name not in out]
 
 
 def group_rank(epoch: int) -> tuple[int, int]:
@@ -367,10 +389,10 @@ def group_rank(epoch: int) -> tuple[int, int]:
     size there, the ranks of those gone for good left out. Raises for a rank that is itself
     listed gone (the launcher counted it lost: it has no place in any later epoch)."""
     ranks = members(epoch)
-    if _STATE["rank"] not in ranks:
-        raise PsrpcError(f"{_me()}: membership epoch {epoch} lists it as gone for good (lost "
+    if STATE.rank not in ranks:
+        raise PsrpcError(f"{me()}: membership epoch {epoch} lists it as gone for good (lost "
                          f"with no restart left): it has no place in the group")
-    return ranks.index(_STATE["rank"]), len(ranks)
+    return ranks.index(STATE.rank), len(ranks)
 
 
 def _leaving(s, epoch: int, missing: list[int]) -> Optional[int]:
@@ -378,14 +400,14 @@ def _leaving(s, epoch: int, missing: list[int]) -> Optional[int]:
     ("go") with that rank there, and the rank never said its group formed. Its forming can then
     hold the rank in gloo's mesh connect for longer than the waits that can be abandoned
     (`store.leaving_s`), though it is alive and on its way here. None: no such epoch."""
-    attempt = _STATE["attempt"]
+    attempt = STATE.attempt
     for e in range(epoch - 1, max(-1, epoch - 6), -1):
-        state = _gather_key(attempt, e, "state")
+        state = gather_key(attempt, e, "state")
         if not s.check([state]) or s.get(state) != b"go":
             continue
         for r in missing:
-            if s.check([_gather_key(attempt, e, r)]) and \
-                    not s.check([_gather_key(attempt, e, f"formed/{r}")]):
+            if s.check([gather_key(attempt, e, r)]) and \
+                    not s.check([gather_key(attempt, e, f"formed/{r}")]):
                 return e
         return None  # (the latest epoch whose group was meant to form)
     return None
@@ -396,13 +418,13 @@ def finish() -> bool:
     rank again). False when one was announced after this rank's epoch: the change is then
     pending (`changing()`), to be joined before training can end. True where nobody announces
     epochs."""
-    if not _STATE["elastic"]:
+    if not STATE.elastic:
         return True
     cur = str(current())
     done = f"{cur} {FINISHED}"
-    if store.store().compare_set(epoch_key(_STATE["attempt"]), cur, done).decode() == done:
+    if store.store().compare_set(epoch_key(STATE.attempt), cur, done).decode() == done:
         return True
-    _CHANGE.set()
+    CHANGE.set()
     return False
 
 
@@ -420,18 +442,18 @@ class TrainingOver(PsrpcError):
 
 def ended() -> bool:
     """In a rank: whether the chief has ended training (where the launcher keeps epochs)."""
-    if not _STATE["elastic"]:
+    if not STATE.elastic:
         return False
-    if _STATE["over"]:
+    if STATE.over:
         return True
     try:
-        return training_over(store.store(), _STATE["attempt"])
+        return training_over(store.store(), STATE.attempt)
     except Exception:  # the store is gone with the launcher: the rank leaves anyway
         return False
 
 
 def training_over(store, attempt: int) -> bool:
-    return _parse(store.get(epoch_key(attempt)))[1]
+    return parse_epoch(store.get(epoch_key(attempt)))[1]
 
 
 def announce(store, attempt: int, epoch: int, names: list[str], gone=()) -> bool:

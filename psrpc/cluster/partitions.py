@@ -21,8 +21,8 @@ import threading
 import time
 
 from psrpc.cluster import membership, store
-from psrpc.cluster.membership import (_CHANGE, _STATE, _STOPPING, TrainingOver, _gather_key,
-                                      _me, _parse, announce, current, epoch_key)
+from psrpc.cluster.membership import (CHANGE, STATE, STOPPING, TrainingOver, gather_key,
+                                      me, parse_epoch, announce, current, epoch_key)
 from psrpc.errors import PsrpcError, first_line
 
 log = logging.getLogger("psrpc")
@@ -38,8 +38,8 @@ def _asked_key(attempt: int, epoch: int) -> str:
 
 def watch() -> None:
     """After membership.setup: where the ranks announce epochs, watch the epoch key."""
-    if _STATE["self_announce"]:
-        threading.Thread(target=_watch, args=(_STATE["attempt"],), name="psrpc-epochs",
+    if STATE.self_announce:
+        threading.Thread(target=_watch, args=(STATE.attempt,), name="psrpc-epochs",
                          daemon=True).start()
 
 
@@ -53,7 +53,7 @@ def _watch(attempt: int) -> None:
         time.sleep(WATCH_S)
         try:
             s = s or store.client(STORE_CALL_S)
-            epoch, over = _parse(s.get(epoch_key(attempt)))
+            epoch, over = parse_epoch(s.get(epoch_key(attempt)))
         except Exception:  # cut off, or the store gone with the run: try again
             s = None
             continue
@@ -72,27 +72,27 @@ def started_again(is_chief: bool) -> None:
     does for a rank it starts again, and every rank joins that one: a worker rejoins the live
     run, a PS that lost its shards makes every shard roll back to the last checkpoint. The
     chief's session (its hooks, metrics, saver) died with it: it stops with one line."""
-    if not _STATE["self_announce"]:
+    if not STATE.self_announce:
         return
-    s, attempt = store.store(), _STATE["attempt"]
+    s, attempt = store.store(), STATE.attempt
     while True:
-        epoch, over = _parse(s.get(epoch_key(attempt)))
+        epoch, over = parse_epoch(s.get(epoch_key(attempt)))
         if over:
-            raise TrainingOver(f"{_me()} was started again after training had ended: nothing "
+            raise TrainingOver(f"{me()} was started again after training had ended: nothing "
                                "to rejoin")
-        if not any(s.check([_gather_key(attempt, e, _STATE["rank"])]) for e in range(epoch + 1)):
+        if not any(s.check([gather_key(attempt, e, STATE.rank)]) for e in range(epoch + 1)):
             return  # a first start: join as usual
         if is_chief:  # (the others, waiting for it at a gathering, stop at once with this)
             again = ("start the job again (it resumes from the last checkpoint in "
                      "checkpoint.dir)")
-            s.set(membership.failed_key(attempt), f"the chief ({_me()}) was lost and started "
+            s.set(membership.failed_key(attempt), f"the chief ({me()}) was lost and started "
                   f"again: the run cannot go on without its session; {again}")
             raise PsrpcError(
-                f"{_me()} (the chief) was started again while the other ranks of the run live: "
+                f"{me()} (the chief) was started again while the other ranks of the run live: "
                 f"its session is gone with its earlier life; stop every rank and {again}")
-        if announce(s, attempt, epoch + 1, [_me()]):
+        if announce(s, attempt, epoch + 1, [me()]):
             log.warning("%s was started again into the running job: membership epoch %d",
-                        _me(), epoch + 1)
+                        me(), epoch + 1)
             return
 
 
@@ -101,7 +101,7 @@ def recover(timeout_s: float, may_ask: bool = True) -> bool:
     announced within `timeout_s` (a peer left the old group). Where the ranks announce epochs
     (torchrun, srun) this rank asks for one instead (`ask`: it was cut off), unless `may_ask`
     is False (a failure no new epoch mends: the chief's start-up, the chief gone)."""
-    if _STATE["self_announce"] and may_ask:
+    if STATE.self_announce and may_ask:
         return ask()
     return membership.wait_change(timeout_s)
 
@@ -113,8 +113,8 @@ def chief_lost(grace_s: float) -> bool:
     this raises with its line), and starting a process takes longer than `grace_s` on a busy
     host: wait cluster.init_timeout_s for either. Elsewhere the launcher announces within
     `grace_s` (it starts every rank again when the chief dies)."""
-    if _STATE["self_announce"]:
-        return membership.wait_change(max(grace_s, _STATE["timeout_s"]))
+    if STATE.self_announce:
+        return membership.wait_change(max(grace_s, STATE.timeout_s))
     return membership.wait_change(grace_s)
 
 
@@ -128,32 +128,32 @@ def ask() -> bool:
     cluster.init_timeout_s. True once an epoch newer than this rank's is announced (by it, or
     by another rank first); False when training has ended (then `ended()` says so). Raises
     when the store stays out of reach (its host lost, say)."""
-    attempt, timeout_s = _STATE["attempt"], _STATE["timeout_s"]
+    attempt, timeout_s = STATE.attempt, STATE.timeout_s
     deadline = time.monotonic() + timeout_s
     waited = recorded = False
     s = None  # one connection while it answers, a new one after it failed
-    while not _STOPPING.is_set():
+    while not STOPPING.is_set():
         try:
             s = s or store.client(min(STORE_CALL_S, timeout_s))
-            epoch, over = _parse(s.get(epoch_key(attempt)))
+            epoch, over = parse_epoch(s.get(epoch_key(attempt)))
             if over:
-                _STATE["over"] = True
+                STATE.over = True
                 return False
             if s.check([membership.failed_key(attempt)]):  # no epoch mends it (a rank missing)
-                raise _Final(f"{_me()}: {s.get(membership.failed_key(attempt)).decode()}")
+                raise _Final(f"{me()}: {s.get(membership.failed_key(attempt)).decode()}")
             if not recorded and (waited or epoch <= current()):
                 # cut off (not a call that failed as its peers left for an announced epoch):
                 # in the epoch this rank will join (another cut-off rank's, if announced)
-                s.append(_asked_key(attempt, max(epoch, current() + 1)), f"{_me()},")
+                s.append(_asked_key(attempt, max(epoch, current() + 1)), f"{me()},")
                 recorded = True
             if epoch <= current():
-                announce(s, attempt, current() + 1, [_me()])
+                announce(s, attempt, current() + 1, [me()])
                 continue  # read again: ours, or another rank's, or the chief ended training
-            store.renew(_STATE["timeout_s"])  # the old connection may be broken
+            store.renew(STATE.timeout_s)  # the old connection may be broken
             if waited:
                 log.warning("%s: the store answers again; joining membership epoch %d",
-                            _me(), epoch)
-            _CHANGE.set()
+                            me(), epoch)
+            CHANGE.set()
             return True
         except _Final as e:
             raise PsrpcError(str(e)) from None
@@ -162,12 +162,12 @@ def ask() -> bool:
             if time.monotonic() >= deadline:  # its host lost, or cut off for good
                 where = store.where()
                 raise PsrpcError(
-                    f"{_me()}: cut off: the rendezvous store ({where.get('host')}:"
+                    f"{me()}: cut off: the rendezvous store ({where.get('host')}:"
                     f"{where.get('port')}) did not answer within {timeout_s:g} s "
                     f"(cluster.init_timeout_s): {first_line(e)}") from e
             if not waited:
                 log.warning("%s: cut off (the rendezvous store does not answer: %s); trying "
-                            "again for up to %g s (cluster.init_timeout_s)", _me(),
+                            "again for up to %g s (cluster.init_timeout_s)", me(),
                             first_line(e), timeout_s)
             waited = True
             time.sleep(0.5)
@@ -179,7 +179,7 @@ def cut_off(epoch: int) -> list[str]:
     where the launcher announces epochs: it starts lost ranks again)."""
     try:
         s = store.store()
-        key = _asked_key(_STATE["attempt"], epoch)
+        key = _asked_key(STATE.attempt, epoch)
         return [n for n in s.get(key).decode().split(",") if n] if s.check([key]) else []
     except Exception:
         return []
@@ -187,7 +187,7 @@ def cut_off(epoch: int) -> list[str]:
 
 def over_while_cut_off() -> bool:
     """Whether `ask` found that training had ended while this rank was cut off."""
-    return bool(_STATE["over"])
+    return bool(STATE.over)
 
 
 def _left_key(attempt: int, rank: int) -> str:
@@ -206,30 +206,30 @@ def depart(wait_for_others: bool = True, failed: str = "") -> None:
     after training ended asks the store, once the network heals, whether it is over, and must
     find the answer there, not a closed port (it would stop with an error after
     init_timeout_s)."""
-    if not _STATE["self_announce"]:
+    if not STATE.self_announce:
         return
-    attempt, me = _STATE["attempt"], _STATE["rank"]
+    attempt, rank = STATE.attempt, STATE.rank
     try:
         s = store.client(DEPART_CALL_S) if not store.where().get("hosted") else store.store()
-        s.set(_left_key(attempt, me), "1")
-        if failed and _me() == "worker0":
+        s.set(_left_key(attempt, rank), "1")
+        if failed and me() == "worker0":
             s.compare_set(membership.failed_key(attempt), "", f"the chief failed: {failed}")
     except Exception:  # the store is gone (its host left first): nobody to tell
         return
     if not (wait_for_others and store.where().get("hosted")):
         return
-    keys = {r: _left_key(attempt, r) for r in range(len(_STATE["names"])) if r != me}
+    keys = {r: _left_key(attempt, r) for r in range(len(STATE.names)) if r != rank}
     t0, said = time.monotonic(), False
     while True:
-        missing = [_STATE["names"][r] for r, k in keys.items() if not s.check([k])]
+        missing = [STATE.names[r] for r, k in keys.items() if not s.check([k])]
         waited = time.monotonic() - t0
-        if not missing or waited >= _STATE["timeout_s"] or _STOPPING.is_set():
+        if not missing or waited >= STATE.timeout_s or STOPPING.is_set():
             break
         if waited > 2.0 and not said:  # (the others leave within a second of each other)
             log.warning("%s hosts the rendezvous store: waiting up to %g s "
                         "(cluster.init_timeout_s) for %s to learn that training ended (cut "
-                        "off or lost)", _me(), _STATE["timeout_s"], ", ".join(missing))
+                        "off or lost)", me(), STATE.timeout_s, ", ".join(missing))
             said = True
         time.sleep(0.2)
     if missing:
-        log.warning("%s: %s never came back; leaving", _me(), ", ".join(missing))
+        log.warning("%s: %s never came back; leaving", me(), ", ".join(missing))

@@ -1,7 +1,7 @@
 """The rendezvous store every rank of a run reaches (a c10d TCPStore): hosted by the local
 launcher or torchrun's agent (else by rank 0), where init_rpc forms each group and where the
 local launcher announces membership epochs. One client per process and address, kept across
-epochs. init_rpc's waits on it go through `_AbortableStore`, which gives up as soon as the group
+epochs. init_rpc's waits on it go through `AbortableStore`, which gives up as soon as the group
 it forms will never form (psrpc/cluster/membership.py).
 """
 
@@ -43,7 +43,7 @@ class GroupAbandoned(Retryable):
     """init_rpc gave up: the group it was forming will never form (a newer epoch replaced it)."""
 
 
-class _AbortableStore(dist.Store):
+class AbortableStore(dist.Store):
     """The store init_rpc forms its group through, with its blocking waits done here, in
     Python: every wait polls the store and gives up as soon as `abort()` says the group will
     never form. Otherwise a member that dies while the group forms (after it announced itself,
@@ -90,7 +90,7 @@ class _AbortableStore(dist.Store):
         return self.inner.num_keys()
 
     def clone(self):
-        return _AbortableStore(self.inner.clone(), self.abort, self.limit_s)
+        return AbortableStore(self.inner.clone(), self.abort, self.limit_s)
 
     def wait(self, keys, timeout=None):
         keys = list(keys)
@@ -139,7 +139,7 @@ def where() -> dict:
     return dict(_WHERE)
 
 
-def _process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
+def process_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
                    agent_store: bool):
     """The rendezvous store, made once per process and address: torchrun's agent or the local
     launcher hosts it (agent_store), else rank 0 does, on the address `host` resolves to."""
@@ -216,14 +216,14 @@ def store() -> Any:
 def abortable(abort, limit_s: float) -> dist.Store:
     """This process's store, whose waits give up once `abort()` says so (a newer membership
     epoch: the group being formed will never form), or after `limit_s`."""
-    return _AbortableStore(store(), abort, limit_s)
+    return AbortableStore(store(), abort, limit_s)
 
 
 def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
                   agent_store: bool = False) -> Any:
     """This process's rendezvous store, before it joins a group (`init` uses the same one):
     where the local launcher announces membership epochs."""
-    return _process_store(addr, port, rank, world_size, timedelta(seconds=timeout_s),
+    return process_store(addr, port, rank, world_size, timedelta(seconds=timeout_s),
                           agent_store)
 
 

@@ -50,7 +50,7 @@ import torch
 from psrpc.errors import first_line
 from psrpc.sparse.rows import TableSpec
 from psrpc.worker import cache_held as held
-from psrpc.worker.cache_slots import _Batch, _Slots  # noqa: F401 (_Slots: tests)
+from psrpc.worker.cache_slots import SlotBatch, Slots  # noqa: F401 (Slots: tests)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RowCache:
             flush_all
         self.hold = hold  # False: write-through, every gradient pushed in its own step
         self.stats, self.capacity, self.specs = stats, capacity, list(specs)
-        self.groups: list[_Slots] = []
+        self.groups: list[Slots] = []
         self._evicted: list[tuple] = []
         self.bind(client)
 
@@ -87,8 +87,8 @@ class RowCache:
         dims: dict[int, list[TableSpec]] = {}
         for s in self.specs:
             dims.setdefault(s.dim, []).append(s)
-        self.groups = [_Slots(g, self.capacity) for g in dims.values()]
-        self._step: dict[int, _Batch] = {}  # group -> the last training lookup
+        self.groups = [Slots(g, self.capacity) for g in dims.values()]
+        self._step: dict[int, SlotBatch] = {}  # group -> the last training lookup
         self._coming: dict[int, tuple] = {}  # group -> (the rows asked ahead for, which asked)
         self._spill: dict[str, tuple] = {}  # rows pulled ahead that found no slot, values
         self._evicted = []  # (group, (tables, rows, sums, units)) to push next
@@ -104,7 +104,7 @@ class RowCache:
         return int(sum(g.units.sum() for g in self.groups)
                    + sum(p[3].sum() for _, p in self._evicted))
 
-    def _by_group(self, rows: dict[str, torch.Tensor]) -> list[tuple[int, _Slots, _Batch]]:
+    def _by_group(self, rows: dict[str, torch.Tensor]) -> list[tuple[int, Slots, SlotBatch]]:
         out = []
         for k, g in enumerate(self.groups):
             if any(n in rows for n in g.names):

@@ -12,7 +12,7 @@ from psrpc.sparse.rows import TableSpec
 from psrpc.worker import cache_held as held
 
 
-class _Slots:
+class Slots:
     """The cache lines of the tables of one dim: table i owns slots [base_i, base_i + cap_i),
     row r of it sits in slot base_i + r % cap_i. NumPy arrays, worked on by the compiled loops
     of cache_kernels (a call costs a fraction of a torch operation's)."""
@@ -37,9 +37,9 @@ class _Slots:
         self._mark = np.zeros(total, dtype=np.int8)  # scratch of a fill (kernels.fill)
         self.started: dict[int, list[np.ndarray]] = {}  # step -> slots that began holding
         self.geometry = {n: (int(c), int(b)) for n, c, b in zip(self.names, self.caps, self.base)}
-        self._placed: list[_Batch] = []  # the last batches placed (this lookup, the next two)
+        self._placed: list[SlotBatch] = []  # the last batches placed (this lookup, the next two)
 
-    def place(self, rows: dict[str, torch.Tensor]) -> "_Batch":
+    def place(self, rows: dict[str, torch.Tensor]) -> "SlotBatch":
         """The rows of some of these tables, concatenated in table order, with their slots
         (worked out once for the same row tensors: a push asks ahead for the very rows its
         lookup will name)."""
@@ -56,12 +56,12 @@ class _Slots:
             if base:
                 s += base
             slots.append(s)
-        b = _Batch(names, tensors, np.concatenate(parts) if len(parts) > 1 else parts[0],
+        b = SlotBatch(names, tensors, np.concatenate(parts) if len(parts) > 1 else parts[0],
                    np.concatenate(slots) if len(slots) > 1 else slots[0])
         self._placed = self._placed[-2:] + [b]
         return b
 
-    def lookup(self, b: "_Batch", now: int, staleness: int, clear: bool = False) -> tuple:
+    def lookup(self, b: "SlotBatch", now: int, staleness: int, clear: bool = False) -> tuple:
         """(whether each row is in its slot, whether it is fresh at step `now`, how many are
         fresh, how many of those are hits); `clear`: for a forward (see kernels.look)."""
         cached = np.empty(b.rows.size, dtype=bool)
@@ -70,7 +70,7 @@ class _Slots:
                                     staleness, clear, cached, fresh)
         return cached, fresh, n, hits
 
-    def held_slots(self, b: Optional["_Batch"]) -> np.ndarray:
+    def held_slots(self, b: Optional["SlotBatch"]) -> np.ndarray:
         """The slots the rows of `b` are in now."""
         if b is None:
             return np.zeros(0, dtype=np.int64)
@@ -92,7 +92,7 @@ class _Slots:
     def table_of(self, slots: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.base, slots, side="right") - 1
 
-    def hold(self, b: "_Batch", grads: np.ndarray, now: int) -> np.ndarray:
+    def hold(self, b: "SlotBatch", grads: np.ndarray, now: int) -> np.ndarray:
         """Add the gradients of the rows of `b` that are in their slots to their held sums;
         returns the positions of the others (pushed now)."""
         began, missed = self.kernels.hold(self.row, self.pending, self.pending_since,
@@ -124,7 +124,7 @@ class _Slots:
         return self.table_of(s), rows, sums, units
 
 
-class _Batch:
+class SlotBatch:
     """Some tables' rows, concatenated in table order, with their slots."""
 
     def __init__(self, names, tensors, rows, slots):
