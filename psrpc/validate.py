@@ -43,8 +43,20 @@ def _finite(x: float, least: float = 0.0) -> bool:
 
 
 def check_values(cfg: Config) -> None:
-    """Reject values out of range or inconsistent; every message names key, value and what is allowed."""
-    c, t, u, p = cfg.cluster, cfg.train, cfg.update, cfg.parallel
+    """Reject values out of range or inconsistent; every message names key, value and what is
+    allowed. One group at a time, in this order; then the rules that cross groups."""
+    for check in (_check_cluster, _check_parallel, _check_update, _check_train,
+                  _check_checkpoint, check_faults):
+        check(cfg)
+    _validate_optim(cfg.optim)
+    _validate_sparse(cfg.sparse)
+    _check_across(cfg)
+    _validate_hooks(cfg.hooks)
+    _validate_factories(cfg)
+
+
+def _check_cluster(cfg: Config) -> None:
+    c, p = cfg.cluster, cfg.parallel
     require(c.num_ps >= 1, "cluster.num_ps", c.num_ps, "need at least 1 parameter server")
     require(c.num_workers >= 1, "cluster.num_workers", c.num_workers, "need at least 1 worker")
     require(c.max_shard_bytes >= 1, "cluster.max_shard_bytes", c.max_shard_bytes, "must be ≥ 1")
@@ -71,13 +83,22 @@ def check_values(cfg: Config) -> None:
             "replicas are for parallel=data (a lost pipeline stage is not recovered)")
     if c.interface is not None:
         netif.check_interface(c.interface, "cluster.interface")
-    if p.name == "model":
-        require(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
-        require(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,
-               f"must be a multiple of parallel.stages={p.stages} (W = replicas × stages)")
-        require(p.microbatches >= 1 and t.batch_size % p.microbatches == 0,
-               "parallel.microbatches", p.microbatches,
-               f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
+
+
+def _check_parallel(cfg: Config) -> None:
+    c, t, p = cfg.cluster, cfg.train, cfg.parallel
+    if p.name != "model":
+        return
+    require(p.stages >= 1, "parallel.stages", p.stages, "must be ≥ 1")
+    require(c.num_workers % p.stages == 0, "cluster.num_workers", c.num_workers,
+           f"must be a multiple of parallel.stages={p.stages} (W = replicas × stages)")
+    require(p.microbatches >= 1 and t.batch_size % p.microbatches == 0,
+           "parallel.microbatches", p.microbatches,
+           f"must be ≥ 1 and divide train.batch_size={t.batch_size}")
+
+
+def _check_update(cfg: Config) -> None:
+    u, p = cfg.update, cfg.parallel
     require(_finite(u.timeout_s) and u.timeout_s > 0, "update.timeout_s", u.timeout_s,
            "must be a finite number of seconds > 0 (every wait has a timeout)")
     knobs.check(u.timeout_s)  # the environment's tuning (psrpc/knobs.py), if any
@@ -106,6 +127,10 @@ def check_values(cfg: Config) -> None:
         require(u.wire_dtype == "float32", "update.wire_dtype", u.wire_dtype,
                 "must be float32 with update.dense=allreduce (the process group averages "
                 "float32 gradients)")
+
+
+def _check_train(cfg: Config) -> None:
+    t, p = cfg.train, cfg.parallel
     require(t.steps >= 1, "train.steps", t.steps, "must be ≥ 1")
     require(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be ≥ 1")
     require(t.accumulate >= 1 and t.batch_size % t.accumulate == 0, "train.accumulate",
@@ -113,7 +138,7 @@ def check_values(cfg: Config) -> None:
     require(t.accumulate == 1 or p.name == "data", "train.accumulate", t.accumulate,
             "is for parallel=data; a pipeline splits its batch with parallel.microbatches")
     require(t.log_every >= 1, "train.log_every", t.log_every, "must be ≥ 1")
-    require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be ≥ 0")
+    require(t.untimed_steps >= 0, "train.untimed_steps", t.untimed_steps, "must be ≥ 0")
     require(t.nonfinite_patience >= 0, "train.nonfinite_patience", t.nonfinite_patience,
            "must be ≥ 0 (0: never stop)")
     require(t.eval_batch_size >= 1, "train.eval_batch_size", t.eval_batch_size, "must be ≥ 1")
@@ -126,6 +151,9 @@ def check_values(cfg: Config) -> None:
     if t.device == "cuda":
         require(torch.cuda.is_available(), "train.device", t.device,
                "CUDA is not available on this machine; use auto (CUDA when present) or cpu")
+
+
+def _check_checkpoint(cfg: Config) -> None:
     ck = cfg.checkpoint
     require(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be ≥ 0")
     require(_finite(ck.every_s), "checkpoint.every_s", ck.every_s, "must be a finite number ≥ 0")
@@ -137,9 +165,10 @@ def check_values(cfg: Config) -> None:
                "needs checkpoint.dir (where to save), or 0")
         require(not ck.best, "checkpoint.best", ck.best,
                "needs checkpoint.dir (best/ goes there), or false")
-    check_faults(cfg)
-    _validate_optim(cfg.optim)
-    _validate_sparse(cfg.sparse)
+
+
+def _check_across(cfg: Config) -> None:
+    """The rules between groups: the row cache and checkpoints, pulling ahead."""
     # A worker's row cache hands its held gradients over before each checkpoint step, which it
     # can only know when checkpoints come by steps.
     require(not (cfg.sparse.cache_rows and cfg.sparse.cache_staleness and cfg.checkpoint.dir
@@ -155,8 +184,6 @@ def check_values(cfg: Config) -> None:
         and cfg.parallel.name == "data" and cfg.sparse.cache_staleness >= 1),
         "sparse.pull_ahead", "on", "needs update=sync, update.dense=allreduce, parallel=data "
         "and sparse.cache_staleness ≥ 1 (the rows of a step computed ahead are a step old)")
-    _validate_hooks(cfg.hooks)
-    _validate_factories(cfg)
 
 
 def _validate_optim(o) -> None:
