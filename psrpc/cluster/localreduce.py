@@ -31,6 +31,7 @@ import select
 import socket
 import struct
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -142,8 +143,7 @@ class LocalGroup:
         later waits), read every peer's buffer of it, add them in the tree's order."""
         key = (t.numel(), t.dtype)
         bufs = self._spare.pop(key, None) or {p: torch.empty_like(t) for p in self.socks}
-        want = {p: [bytearray(_HEAD.size), 0, memoryview(bufs[p].numpy()).cast("B"), 0]
-                for p in self.socks}
+        want = {p: _Incoming(memoryview(bufs[p].numpy()).cast("B")) for p in self.socks}
         deadline = time.monotonic() + self.timeout_s
         poller = select.poll()
         while True:
@@ -178,11 +178,10 @@ class LocalGroup:
         self._spare[key] = bufs
         self.waited = seq
 
-    def _read(self, p: int, st: list, seq: int) -> bool:
-        """Read what peer p has sent of all-reduce `seq` into `st` (header, got, body, got):
-        True once complete."""
-        head, got, body, done = st
-        view = memoryview(head)[got:] if got < len(head) else body[done:]
+    def _read(self, p: int, got: "_Incoming", seq: int) -> bool:
+        """Read what peer p has sent of all-reduce `seq` into `got`: True once complete."""
+        head_done = got.head_bytes == len(got.head)
+        view = got.body[got.body_bytes:] if head_done else memoryview(got.head)[got.head_bytes:]
         try:
             n = self.socks[p].recv_into(view)
         except BlockingIOError:
@@ -191,18 +190,29 @@ class LocalGroup:
             raise self._lost(p, e) from None
         if not n:
             raise self._lost(p, "its end closed")
-        if got < len(head):
-            st[1] = got = got + n
-            if got == len(head):
-                their_seq, nbytes = _HEAD.unpack(head)
-                if their_seq != seq or nbytes != body.nbytes:
+        if head_done:
+            got.body_bytes += n
+        else:
+            got.head_bytes += n
+            if got.head_bytes == len(got.head):
+                their_seq, nbytes = _HEAD.unpack(got.head)
+                if their_seq != seq or nbytes != got.body.nbytes:
                     raise LocalReduceError(
                         f"dense all-reduce: worker {p} sent all-reduce {their_seq} of {nbytes} "
-                        f"bytes where {seq} of {body.nbytes} was due: the workers' buckets "
+                        f"bytes where {seq} of {got.body.nbytes} was due: the workers' buckets "
                         "differ")
-        else:
-            st[3] = done = done + n
-        return got == len(head) and done == body.nbytes
+        return got.head_bytes == len(got.head) and got.body_bytes == got.body.nbytes
+
+
+@dataclass
+class _Incoming:
+    """One peer's message of an all-reduce as it arrives: its header, then its body (read
+    straight into the buffer it is added from)."""
+
+    body: memoryview
+    head: bytearray = field(default_factory=lambda: bytearray(_HEAD.size))
+    head_bytes: int = 0  # of the header, read so far
+    body_bytes: int = 0  # of the body, read so far
 
 
 class _Work:

@@ -8,6 +8,7 @@ like the dense shards, so a sync round closes on all of them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,12 +18,26 @@ from psrpc.errors import PsrpcError, first_line
 from psrpc.sparse.rows import TableSpec, partition_of
 
 
+@dataclass
+class RowPush:
+    """One push_async's arguments, kept to push the very same message again (a replay after a
+    failover)."""
+
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    versions: list[int]
+    loss: float
+    samples: int
+    ticket: Optional[int]
+    void: bool
+    ahead: Optional[dict[str, torch.Tensor]]
+
+
 class RowClient:
     def __init__(self, shards: list, specs: list[TableSpec], partition: str, worker: int,
                  timeout_s: Optional[float] = None, stats=None, lag: int = 0,
                  channels: Optional[list] = None):
         self.shards, self.worker, self.timeout_s = shards, worker, timeout_s
-        self.last: Optional[tuple] = None  # the last push_async's arguments (a replay's)
+        self.last: Optional[RowPush] = None  # the last push_async's (what a replay pushes again)
         # per server: the side channel its pushes take (a PS on this host), or None: TensorPipe
         self.channels = channels or [None] * len(shards)
         # lag 1: the rows asked with a push are those of the batch after next, and the ones
@@ -85,6 +100,11 @@ class RowClient:
         return comm.wait_all([comm.invoke(r, "pull", timeout_s=self.timeout_s)
                               for r in self.shards])
 
+    def push_again(self) -> list:
+        """The last push_async's message, again (Futures of the Replies, in server order)."""
+        p = self.last
+        return self.push_async(p.grads, p.versions, p.loss, p.samples, p.ticket, p.void, p.ahead)
+
     def push_async(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
                    versions: list[int], loss: float, samples: int,
                    ticket: Optional[int] = None, void: bool = False,
@@ -93,7 +113,7 @@ class RowClient:
         Replies, in server order. `void`: the gradients were computed across an update
         (shm.VOID: each server discards them). `ahead`: {table: unique global rows} of the next
         batch, whose values the replies bring (`receive`), for the next `pull`."""
-        self.last = (grads, versions, loss, samples, ticket, void, ahead)
+        self.last = RowPush(grads, versions, loss, samples, ticket, void, ahead)
         per = self._split({n: g[0] for n, g in grads.items()})
         if not void:
             self._count("pushed", ((n, g[0]) for n, g in grads.items()))

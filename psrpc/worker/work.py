@@ -73,7 +73,7 @@ def replay_step(self, work: Optional["Work"], pulled: list[Reply]) -> Optional["
         # ahead; its round took this push: accepted (a cache holding gradients would
         # otherwise take back what that push carried, and push it a second time)
         futures += [f.then(lambda f: replace(f.value(), accepted=True)) if was else f
-                    for f, was in zip(client.push_async(*client.last), ahead)]
+                    for f, was in zip(client.push_again(), ahead)]
     log.warning("worker%d: pushing step %d again to %d of %d shards (their PS failed over "
                 "before it was answered)", self.index, work.versions[0],
                 len(behind) + int(tables_behind), len(pulled) + len(self.table_versions))
