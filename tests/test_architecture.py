@@ -97,13 +97,24 @@ def test_imports_inside_functions_only_defer_heavy_optional_dependencies():
     assert found - DEFERRED == set()
 
 
-# A line budget, as advice more than a rule: 400 lines, with room above it for the modules that
-# grew past it (replicas: fences and failover by state; membership: workers gone for good). A
-# rule on decision points per function is to replace it; meanwhile no module may pass this.
-MAX_MODULE_LINES = 520
+def test_no_function_has_more_branches_than_the_cap():
+    """The cap is on branches per function (McCabe's count, ruff's C901 rule, its level in
+    pyproject.toml), not on lines per module: what makes a function hard to read is its tree of
+    cases, and splitting a file to pass a line count only moves code. (A line budget of about
+    400 a module stays as advice: docs/design.md.)"""
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "C901",
+                        "--output-format", "concise", "psrpc"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_no_module_over_the_line_budget():
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "psrpc").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert long == {}
+def test_no_module_imports_another_modules_private_names():
+    """A name with a leading underscore is its module's own: another module that needs it
+    means the two share state or a helper that should be public (or one module)."""
+    found = []
+    for path in (ROOT / "psrpc").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("psrpc"):
+                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []
