@@ -86,7 +86,7 @@ MODES = {
     "async-bounded": ["update=async", "update.max_staleness=2"],
 }
 COMMON = ["model=cnn", "data.size=2048", "data.test_size=256", "train.batch_size=16",
-          "train.log_every=1", "train.warmup_steps=1", "checkpoint.every_steps=10",
+          "train.log_every=1", "train.untimed_steps=1", "checkpoint.every_steps=10",
           f"update.timeout_s={TIMEOUT_S}", "cluster.init_timeout_s=60", "train.device=cpu"]
 
 
@@ -101,7 +101,7 @@ def faults(hosts: bool = True, replicas: bool = False) -> dict:
 DLRM = ["model=dlrm", "model.dim=8", "model.bottom=[16,8]", "model.top=[16]", "data=clicks",
         "data.num_samples=4096", "data.test_samples=512", "data.cardinalities=[1000,500,64]",
         "data.num_dense=4", "loss=bce", "metric=auc", "sparse.lr=0.1", "train.log_every=1",
-        "train.warmup_steps=1", "checkpoint.every_steps=10", f"update.timeout_s={TIMEOUT_S}",
+        "train.untimed_steps=1", "checkpoint.every_steps=10", f"update.timeout_s={TIMEOUT_S}",
         "cluster.init_timeout_s=60", "train.device=cpu"]
 # replicas=true: what runs (its overrides, the update modes it takes, its steps per
 # campaign step: the DLRM's steps are 3x shorter than the cnn's)

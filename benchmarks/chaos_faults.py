@@ -390,7 +390,7 @@ def stop_worker(run, rnd, P, W):
 # 60 s); it is tried again (continued, a moment of training, hung again) up to STALL_TRIES
 # times, at other moments of the step.
 STALL_TRY_S = 15.0
-STALL_TRIES = 4
+STALL_TRIES = 8
 
 
 def _gave_up(run: Run, backup: str) -> Optional[str]:

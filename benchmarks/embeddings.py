@@ -57,7 +57,7 @@ def overrides(b, rows: int, steps: int) -> list[str]:
             f"data.num_dense={b.num_dense}", f"model.dim={b.dim}",
             f"model.bottom=[64,{b.dim}]", f"cluster.num_workers={b.workers}",
             f"cluster.num_ps={b.num_ps}", f"train.batch_size={b.batch_size}",
-            f"train.steps={steps}", f"train.warmup_steps={b.warmup}", f"train.log_every={steps}",
+            f"train.steps={steps}", f"train.untimed_steps={b.warmup}", f"train.log_every={steps}",
             "data.test_samples=2048", "train.eval_every=0"]
 
 

@@ -63,7 +63,7 @@ def run_timing(b) -> list[dict]:
         for device in b.devices:
             s = run_psrpc([f"model={model}", f"data.image_shape=[{shape}]",
                            f"cluster.num_workers={b.workers}", f"train.batch_size={b.batch_size}",
-                           f"train.steps={b.steps}", f"train.warmup_steps={b.warmup}",
+                           f"train.steps={b.steps}", f"train.untimed_steps={b.warmup}",
                            f"train.log_every={b.steps}", "data.size=8192", "data.test_size=0",
                            f"train.device={device}"], timeout_s=b.run_timeout_s)
             rates[device] = s["samples_per_s"]

@@ -112,7 +112,7 @@ def run_one(b, system: str, ov: list[str], procs: list[int], peer_procs: list[in
     warm = b.warmup[b.workload]
     # every worker of every system: the same torch threads (the cores over the workers)
     threads = max(1, cores // sum(peer_procs))
-    ov = ov + [f"train.steps={steps}", f"train.warmup_steps={warm}",
+    ov = ov + [f"train.steps={steps}", f"train.untimed_steps={warm}",
                f"train.log_every={steps}", "train.device=cpu"]
     with tempfile.TemporaryDirectory(prefix="psrpc-links-") as tmp, \
             emulated.Hosts(b.hosts, rate_mbit=rate) as h:

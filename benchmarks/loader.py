@@ -19,7 +19,7 @@ def main(argv: list[str]) -> None:
     meta = header()
     base = ["+experiment=cifar_cnn", f"hydra.searchpath=[file://{ROOT / 'examples' / 'conf'}]",
             f"cluster.num_workers={b.workers}", f"train.batch_size={b.batch_size}",
-            f"train.steps={b.steps}", f"train.warmup_steps={b.warmup}",
+            f"train.steps={b.steps}", f"train.untimed_steps={b.warmup}",
             f"train.log_every={b.steps}", f"data.size={b.size}", "data.test_size=0",
             "train.device=cpu"]
     runs: dict[int, list[float]] = {n: [] for n in b.loader_workers}

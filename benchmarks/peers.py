@@ -59,7 +59,7 @@ def train_and_report(model, loss_fn, batches, opts: list, cfg: Config, rank: int
     steady-state samples/s of the whole group in `out`; then the group ends."""
     import torch.distributed as dist
 
-    steps, warm = cfg.train.steps, cfg.train.warmup_steps
+    steps, warm = cfg.train.steps, cfg.train.untimed_steps
     _, elapsed = train_timed(model, loss_fn, batches, opts, steps, warm)
     if rank == 0:
         out.put({"samples_per_s": (steps - warm) * world * cfg.train.batch_size / elapsed})
@@ -89,7 +89,7 @@ def single_process(cfg: Config) -> dict:
     torch.set_num_threads(os.cpu_count())
     data, model, loss_fn, batches = _setup(cfg, 1, 0)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
-    B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
+    B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.untimed_steps
     _, elapsed = train_timed(model, loss_fn, batches, [opt], steps, warm)
     return {"samples_per_s": (steps - warm) * B / elapsed, "wall_s": elapsed}
 
@@ -134,7 +134,7 @@ def _ddp_rank(rank: int, world: int, port: int, cfg: Config, threads: int, slow_
     data, model, loss_fn, batches = _setup(cfg, world, rank)
     model = DDP(model)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
-    B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.warmup_steps
+    B, steps, warm = cfg.train.batch_size, cfg.train.steps, cfg.train.untimed_steps
     stop = torch.zeros(1)
 
     def after_step(step: int) -> bool:

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
             s = run_psrpc([f"model={b.model}", f"data.image_shape=[{shape}]", "parallel=model",
                            f"parallel.stages={b.stages}", f"parallel.microbatches={m}",
                            f"cluster.num_workers={b.workers}", f"train.batch_size={b.batch_size}",
-                           f"train.steps={b.steps}", f"train.warmup_steps={b.warmup}",
+                           f"train.steps={b.steps}", f"train.untimed_steps={b.warmup}",
                            f"train.log_every={b.steps}", "data.size=8192", "data.test_size=0"]
                           + list(b.psrpc))
             runs[m].append(s["samples_per_s"])

@@ -44,7 +44,7 @@ class PushPullProbe(Worker):
         # The gradient a backward would leave, written where backward writes it: the worker's
         # push buffer (its slot in shared memory when the PS is on this host).
         produced = [torch.randn(g.numel()) * 1e-3 for g in self.flat.grads]
-        warmup, total = self.cfg.train.warmup_steps, self.cfg.train.steps
+        warmup, total = self.cfg.train.untimed_steps, self.cfg.train.steps
         # Alternate the two, so that both see the same machine (this one is noisy).
         times, raw, t = [], [], torch.cat(produced)
         for i in range(total):
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> None:
                        "optim.momentum=0.9", "cluster.shm=" + ("on" if transport == "shm"
                                                                else "off"),
                        f"update.wire_dtype={wire}", f"train.steps={b.warmup + b.rounds}",
-                       f"train.warmup_steps={b.warmup}", f"data.image_shape=[1,1,{width}]",
+                       f"train.untimed_steps={b.warmup}", f"data.image_shape=[1,1,{width}]",
                        "data.num_classes=8", "data.size=2", "data.test_size=0",
                        "train.log_every=1000000", f"cluster.ps_threads={threads}"]
                       + list(b.psrpc), replica_cls=PushPullProbe)

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
                 s = run_psrpc([f"model={b.model}", f"data.image_shape=[{shape}]",
                                f"cluster.num_workers={b.workers}", f"cluster.num_ps={ps}",
                                f"cluster.bucket_bytes={bucket}", f"train.batch_size={b.batch_size}",
-                               f"train.steps={b.steps}", f"train.warmup_steps={b.warmup}",
+                               f"train.steps={b.steps}", f"train.untimed_steps={b.warmup}",
                                f"train.log_every={b.steps}", "data.size=8192", "data.test_size=0"]
                               + list(b.psrpc))
                 busy = defaultdict(float)

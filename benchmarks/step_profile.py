@@ -19,7 +19,7 @@ def overrides(b, case) -> list[str]:
     shape = ",".join(str(x) for x in b.image_shape)
     return [f"model={case.model}", f"data.image_shape=[{shape}]",
             f"cluster.num_workers={case.workers}", f"train.batch_size={b.batch_size}",
-            f"train.steps={case.steps}", "train.warmup_steps=5", f"train.log_every={case.steps}",
+            f"train.steps={case.steps}", "train.untimed_steps=5", f"train.log_every={case.steps}",
             "data.size=8192", "data.test_size=0", "update=sync"]
 
 

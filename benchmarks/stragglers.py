@@ -26,7 +26,7 @@ def base(b) -> list[str]:
     shape = ",".join(str(x) for x in b.image_shape)
     return [f"model={b.model}", f"data.image_shape=[{shape}]", f"cluster.num_workers={b.workers}",
             f"train.batch_size={b.batch_size}", "data.size=8192", "data.test_size=0",
-            f"train.steps={b.steps}", f"train.warmup_steps={b.warmup}",
+            f"train.steps={b.steps}", f"train.untimed_steps={b.warmup}",
             f"train.log_every={b.steps}"]
 
 
@@ -41,7 +41,7 @@ def measure(b, system: str, slow_s: float) -> float:
     fault = ["fault.slow_worker=0", f"fault.slow_s={slow_s}"] if slow_s else []
     return run_psrpc(base(b) + MODES[system](b) + fault + list(b.psrpc) + [
         "cluster.shm=off" if tcp else "cluster.shm=on",
-        f"train.steps={steps}", f"train.warmup_steps={warm}", f"train.log_every={steps}",
+        f"train.steps={steps}", f"train.untimed_steps={warm}", f"train.log_every={steps}",
         "update.timeout_s=600"])["samples_per_s"]
 
 

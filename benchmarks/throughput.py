@@ -18,7 +18,7 @@ def common_overrides(b, model: str, workers: int) -> list[str]:
     shape = ",".join(str(x) for x in b.image_shape)
     return [f"model={model}", f"data.image_shape=[{shape}]", f"cluster.num_workers={workers}",
             f"train.batch_size={b.batch_size}", f"train.steps={b.steps[model]}",
-            f"train.warmup_steps={b.warmup[model]}", f"train.log_every={b.steps[model]}",
+            f"train.untimed_steps={b.warmup[model]}", f"train.log_every={b.steps[model]}",
             "data.size=8192", "data.test_size=0"]
 
 

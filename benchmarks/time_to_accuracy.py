@@ -57,8 +57,8 @@ def main(argv: list[str]) -> None:
     root = (ROOT / b.data_root).resolve()
     epoch_steps = 60000 // (b.workers * b.batch_size)
     base = ["data=mnist", f"data.root={root}", "model=cnn", f"cluster.num_workers={b.workers}",
-            f"train.batch_size={b.batch_size}", "train.warmup_steps=0", "train.log_every=100"]
-    cfg = psrpc_config(base + [f"train.steps={epoch_steps // 4}", "train.warmup_steps=10"])
+            f"train.batch_size={b.batch_size}", "train.untimed_steps=0", "train.log_every=100"]
+    cfg = psrpc_config(base + [f"train.steps={epoch_steps // 4}", "train.untimed_steps=10"])
     step_s = b.workers * b.batch_size / ddp(cfg)["samples_per_s"]
     print(f"one DDP step without a straggler: {step_s * 1e3:.1f} ms", flush=True)
     rows = []

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
         for wire in b.wire_dtypes:
             s = run_psrpc([f"model={b.throughput_model}", f"data.image_shape=[{shape}]",
                            f"cluster.num_workers={b.workers}", f"train.batch_size={b.batch_size}",
-                           f"train.steps={b.steps}", f"train.warmup_steps={b.warmup}",
+                           f"train.steps={b.steps}", f"train.untimed_steps={b.warmup}",
                            f"train.log_every={b.steps}", "data.size=8192", "data.test_size=0",
                            f"update.wire_dtype={wire}"])
             rates[wire].append(s["samples_per_s"])

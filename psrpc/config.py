@@ -251,8 +251,9 @@ class TrainConfig:
     """CUDA: TF32 in matmuls and cuDNN (true), neither (false), null: torch's default (cuDNN)."""
     log_every: int = MISSING
     """Global steps between progress lines and metrics.jsonl records."""
-    warmup_steps: int = MISSING
-    """samples_per_s counts from the end of this global step to the end."""
+    untimed_steps: int = MISSING
+    """samples_per_s counts from the end of this global step to the end (the steps before
+    it warm caches and allocators up; was train.untimed_steps)."""
     eval_batch_size: int = MISSING
     """Batch size of the chief's final test-set evaluation."""
     nonfinite_patience: int = MISSING

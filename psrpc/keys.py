@@ -1,8 +1,9 @@
 """The overrides the command line and psrpc.compose() take, read before Hydra composes them:
 
-- a retired key still works, with one line saying what replaced it (RETIRED; CHANGELOG.md
-  records each): its value goes to the environment variable that took its place
-  (psrpc/knobs.py), or, where it has one meaning, it is dropped;
+- a renamed key still works under its old name, with one line (RENAMED); a retired key too,
+  with one line saying what replaced it (RETIRED; CHANGELOG.md records each): its value goes
+  to the environment variable that took its place (psrpc/knobs.py), or, where it has one
+  meaning, it is dropped;
 - `fault.*` keys without `fault=...` opt in to the fault group (`fault=inject`), with a line;
 - a key the schema does not have stops the start with the nearest one that it does ("did you
   mean"), instead of Hydra's advice to append it with `+`.
@@ -54,6 +55,10 @@ RETIRED = {  # since 0.3.0 (CHANGELOG.md)
     "cluster.channels": Retired("TensorPipe's cma and basic channels; PSRPC_TP_CHANNELS "
                                 "overrides them", "PSRPC_TP_CHANNELS"),
 }
+RENAMED = {  # old key -> new key, the value kept (CHANGELOG.md)
+    # (a throughput window, not optim.warmup_steps' learning-rate warmup)
+    "train.warmup_steps": "train.untimed_steps",
+}
 ASYNC_RETIRED = {  # keys with one meaning in async (sync keeps them)
     "update.dense": Retired(
         "async keeps the dense parameters on the PS", refuse=lambda v: None if v == "ps" else
@@ -99,7 +104,7 @@ def _check_known(key: str) -> None:
     fields = {f.name for cls in SECTIONS.get(top, []) for f in dataclasses.fields(cls)}
     if top in TOP and (top not in SECTIONS or rest.split(".")[0] in fields):
         return
-    near = difflib.get_close_matches(key, known_keys() + list(RETIRED), n=1, cutoff=0.6)
+    near = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}? " if near else ""
     raise ConfigError(f"{key}: not a key of psrpc's config; {hint}(python -m psrpc --help lists "
                       "every key, with its meaning; +key=value adds one to a dict such as model)")
@@ -118,6 +123,10 @@ def translate(overrides: Sequence[str]) -> list[str]:
             out.append(arg)
             continue
         key = o.key_or_group
+        if key in RENAMED:
+            log.warning("psrpc: %s is now %s (CHANGELOG.md)", key, RENAMED[key])
+            arg = arg.replace(key, RENAMED[key], 1)
+            key = RENAMED[key]
         retired = RETIRED.get(key) or (ASYNC_RETIRED.get(key) if update == "async" else None)
         if retired is not None and o.is_sweep_override():
             raise ConfigError(f"{arg}: {key} is retired ({retired.now}), and a sweep cannot "

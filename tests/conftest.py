@@ -20,7 +20,7 @@ MNIST_ROOT = ROOT.parent / "shared" / "data"
 # The built-in synthetic data's sizes: dropped where a test gives a data factory of its own (an
 # override of data.* applies to a factory given from Python, and that one takes its own keys).
 SYNTHETIC = ["data.size=2048", "data.test_size=256"]
-FAST = ["train.steps=20", "train.batch_size=16", "train.log_every=10", "train.warmup_steps=2",
+FAST = ["train.steps=20", "train.batch_size=16", "train.log_every=10", "train.untimed_steps=2",
         *SYNTHETIC, "update.timeout_s=30"]
 # The suite runs on CPU even where CUDA is (train.device=auto would take it): its comparisons are
 # bit-exact or nearly, which only holds for the same kernels. A test that wants CUDA says

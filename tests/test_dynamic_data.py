@@ -17,7 +17,7 @@ from tests.test_sparse_cluster import MOVIELENS
 
 pytestmark = pytest.mark.timeout(300)
 DLRM = ["model=dlrm", "model.dim=8", "model.bottom=[16,8]", "model.top=[16]", "loss=bce",
-        "metric=auc", "train.warmup_steps=2", "update.timeout_s=30"]
+        "metric=auc", "train.untimed_steps=2", "update.timeout_s=30"]
 HASH_SIZE = 1000
 
 

@@ -32,6 +32,14 @@ def test_a_retired_key_is_accepted_with_a_line_and_its_value_kept(caplog, overri
     assert not hasattr(cfg.cluster, key.split(".")[1])
 
 
+def test_a_renamed_key_keeps_working_under_its_old_name_with_a_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="psrpc"):
+        cfg = compose(["train.warmup_steps=7"])
+    assert cfg.train.untimed_steps == 7
+    assert any("train.warmup_steps is now train.untimed_steps" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_a_retired_key_set_to_null_keeps_the_default(caplog):
     with caplog.at_level(logging.WARNING, logger="psrpc"):
         compose(["cluster.rpc_timeout_s=null"])
@@ -75,7 +83,7 @@ def test_fault_keys_opt_in_to_their_group(caplog):
 
 def test_every_retired_key_is_in_the_changelog():
     changelog = (ROOT / "CHANGELOG.md").read_text()
-    for key in [*keys.RETIRED, *keys.ASYNC_RETIRED]:
+    for key in [*keys.RETIRED, *keys.ASYNC_RETIRED, *keys.RENAMED, *keys.RENAMED.values()]:
         assert f"`{key}`" in changelog, key
     for knob in knobs.ALL:
         assert knob.env in changelog and knob.env in (ROOT / "docs" / "configuration.md").read_text()

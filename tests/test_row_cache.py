@@ -235,9 +235,9 @@ def test_a_fill_leaves_kept_slots_gives_a_slot_to_its_first_row_and_returns_held
     slot 3 leaves with the gradient it held."""
     import numpy as np
 
-    from psrpc.worker.cache import _Slots
+    from psrpc.worker.cache import Slots
 
-    g = _Slots([TableSpec("t", 100, 2)], 4)
+    g = Slots([TableSpec("t", 100, 2)], 4)
     g.row[:] = [-1, 9, -1, 7]  # row 9 in slot 1 (kept), row 7 in slot 3 holding a gradient
     g.pending[3] = [1.5, -2.0]
     g.pending_since[3] = 4

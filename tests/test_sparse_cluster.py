@@ -19,7 +19,7 @@ MOVIELENS = MNIST_ROOT / "ml-100k"  # ../shared/data/ml-100k
 CLICKS = ["model=dlrm", "model.dim=8", "model.bottom=[16,8]", "model.top=[16]", "data=clicks",
           "data.num_samples=4096", "data.test_samples=512", "data.cardinalities=[1000,500,64]",
           "data.num_dense=4", "loss=bce", "metric=auc", "train.steps=20", "train.log_every=10",
-          "train.warmup_steps=2", "update.timeout_s=30", "sparse.lr=0.1"]
+          "train.untimed_steps=2", "update.timeout_s=30", "sparse.lr=0.1"]
 
 
 def _run(tmp_path, overrides):

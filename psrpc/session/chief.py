@@ -91,7 +91,7 @@ class Chief:
     def __init__(self, cfg: Config, topo: Topology, out_dir: Path, replica_cls=Worker):
         self.cfg, self.topo, self.out_dir = cfg, topo, Path(out_dir)
         self.replica_cls = replica_cls
-        self.throughput = Throughput(cfg.train.warmup_steps)
+        self.throughput = Throughput(cfg.train.untimed_steps)
         self.hooks: Optional[Hooks] = None
         self.plan: Optional[Plan] = None
         self.lost: list[int] = []  # workers that never reported done

@@ -4,7 +4,7 @@ passes and a dozen calls for each (measured in one process, 3 tables, 256 sample
 cost per step fell from 0.7 ms to 0.3 ms, the rest being Python). Compiled on first use (about
 3 s) and kept on disk (Numba's cache), so a process after the first loads them at once.
 
-The arrays are those of `_Slots` in psrpc/worker/cache.py, which says what each holds.
+The arrays are those of `Slots` in psrpc/worker/cache.py, which says what each holds.
 """
 
 from __future__ import annotations
