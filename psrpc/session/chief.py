@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 
 from psrpc import checkpoint
 from psrpc.cluster import comm, membership, netstat, partitions
-from psrpc.cluster.topology import Topology
+from psrpc.cluster.topology import Topology, in_lockstep
 from psrpc.cluster.wire import Reply
 from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line, network_failure
@@ -87,6 +87,24 @@ def _gone_workers(topo: Topology, epoch: int) -> tuple[int, ...]:
                  if n in topo.worker_names)
 
 
+@dataclass
+class EpochCause:
+    """Why a membership epoch began: the ranks started again or cut off, and since when."""
+
+    who: str                  # their names, comma-separated (or why nobody)
+    cut_off: list[str]        # those cut off by a partition, not started again
+    seen_at: Optional[float]  # when the first of them was seen gone (time.time())
+
+
+@dataclass
+class EpochOutcome:
+    """What the start of an epoch did to the shards: the plan it hands out, and how."""
+
+    plan: Plan
+    rolled_back_to: Optional[int] = None  # the checkpoint step every shard rolled back to
+    failovers: list[dict] = field(default_factory=list)  # shards now on a former backup
+
+
 class Chief:
     def __init__(self, cfg: Config, topo: Topology, out_dir: Path, replica_cls=Worker):
         self.cfg, self.topo, self.out_dir = cfg, topo, Path(out_dir)
@@ -128,70 +146,84 @@ class Chief:
         return model, dataset
 
     # -- membership epochs ---------------------------------------------------------------------
-    def begin_epoch(self, epoch: int):
+    def begin_epoch(self, epoch: int) -> Plan:
         """A rank was started again and every rank has joined epoch `epoch`'s group: line the
         shards' versions up (the PS kept them, and their Handles still reach them), or, when a
         PS was started again and lost its shards, roll every shard back to the last committed
         checkpoint; then hand out the epoch's plan. Returns it."""
         t0 = time.monotonic()
-        # every epoch since the last one the chief was in (a newer one can replace an epoch
-        # before its group forms: the ranks of both were started again)
+        cause = self._epoch_cause(epoch)
+        held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
+        found = {index for part in held for index in part}
+        failovers = []
+        if self.cfg.cluster.ps_replicas:  # (also drops the copies given up meanwhile)
+            self.plan, failovers = failover.fail_over(self.cfg, self.topo, self.plan, found)
+        alive = found | {f["shard"] for f in failovers} == {h.key for h in self.plan.every_shard}
+        outcome = (EpochOutcome(self._line_up(epoch, failovers), None, failovers) if alive
+                   else EpochOutcome(*self._roll_back(epoch, cause.who)))
+        self.plan = outcome.plan
+        if self.saver is not None:
+            self.saver.rebind(outcome.plan)
+        if outcome.rolled_back_to is not None:
+            self.hooks.rollback(outcome.rolled_back_to)
+        self._record_epoch(epoch, cause, outcome, t0)
+        if self.cfg.cluster.ps_replicas:  # new backups where copies were lost, in the background
+            failover.restore_backups(self.cfg, self.topo, self.plan)
+        _plan_future(epoch).set_result(outcome.plan)
+        return outcome.plan
+
+    def _epoch_cause(self, epoch: int) -> "EpochCause":
+        """Every epoch since the last one the chief was in (a newer one can replace an epoch
+        before its group forms: the ranks of both were started again): who, and since when."""
         last = self.epochs[-1]["epoch"] if self.epochs else self.first_epoch
         events = [membership.why(e) for e in range(last + 1, epoch + 1)]
         cut_off = [n for e in range(last + 1, epoch + 1) for n in partitions.cut_off(e)]
         who = ",".join(dict.fromkeys([n for names, _ in events for n in names.split(",") if n]
                                      + cut_off)) or "nobody (a worker lost for good left)"
         seen_at = min((at for _, at in events if at), default=None)
-        held = comm.wait_all([comm.call(n, service.local_shards) for n in self.topo.ps_names])
-        found = {index for part in held for index in part}
-        rolled_back, failovers = None, []
-        if self.cfg.cluster.ps_replicas:  # (also drops the copies given up meanwhile)
-            self.plan, failovers = failover.fail_over(self.cfg, self.topo, self.plan, found)
+        return EpochCause(who, sorted(set(cut_off)), seen_at)
+
+    def _line_up(self, epoch: int, failovers: list[dict]) -> Plan:
+        """Every shard is alive (kept, or failed over): bring them to one version, replaying
+        the step a lost PS left unanswered in sync."""
         shards = self.plan.every_shard
-        if found | {f["shard"] for f in failovers} == {h.key for h in shards}:  # line them up
-            if self.cfg.cluster.ps_replicas:  # no update goes to a copy now gone
-                failover.name_backups(self.cfg, self.topo, self.plan)
-            lost_round = bool(failovers) and self.cfg.update.name == "sync"
-            replay = lost_round and self.cfg.update.dense != "allreduce"  # (not replayed there)
-            gone = _gone_workers(self.topo, epoch)
-            versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay, gone)
-                                      for r in shards])
-            target = max(versions)
-            if lost_round and not replay and len(set(versions)) > 1:
-                log.warning("update.dense=allreduce: the step the lost PS left unanswered is "
-                            "not pushed again; shards at step %d pass it without its update "
-                            "(the result differs from an uninterrupted run's)", min(versions))
-            if not replay:  # (a replayed step brings the shards behind to the others)
-                comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
-            plan = replace(self.plan, rolled_back_to=None, replay=replay)
-            dense = getattr(self.worker, "allreduce", None)
-            if dense is not None:  # every worker takes the chief's replica, at the target
-                dense.catch_up(target)
-                plan = replace(plan, dense=dense.state())
-                if self.saver is not None:  # a checkpoint step the catch-up reached
-                    self.saver.capture(target)
-        else:
-            plan, rolled_back = self._roll_back(epoch, who)
-        self.plan = plan
-        if self.saver is not None:
-            self.saver.rebind(plan)
-        if rolled_back is not None:
-            self.hooks.rollback(rolled_back)
-        pause = time.time() - seen_at if seen_at else time.monotonic() - t0
-        clock = comm.invoke(plan.all_shards[0], "report").wait()
+        if self.cfg.cluster.ps_replicas:  # no update goes to a copy now gone
+            failover.name_backups(self.cfg, self.topo, self.plan)
+        lost_round = bool(failovers) and self.cfg.update.name == "sync"
+        replay = lost_round and self.cfg.update.dense != "allreduce"  # (not replayed there)
+        gone = _gone_workers(self.topo, epoch)
+        versions = comm.wait_all([comm.invoke(r, "begin_epoch", replay, gone) for r in shards])
+        target = max(versions)
+        if lost_round and not replay and len(set(versions)) > 1:
+            log.warning("update.dense=allreduce: the step the lost PS left unanswered is "
+                        "not pushed again; shards at step %d pass it without its update "
+                        "(the result differs from an uninterrupted run's)", min(versions))
+        if not replay:  # (a replayed step brings the shards behind to the others)
+            comm.wait_all([comm.invoke(r, "catch_up", target) for r in shards])
+        plan = replace(self.plan, rolled_back_to=None, replay=replay)
+        dense = getattr(self.worker, "allreduce", None)
+        if dense is None:
+            return plan
+        dense.catch_up(target)  # every worker takes the chief's replica, at the target
+        plan = replace(plan, dense=dense.state())
+        if self.saver is not None:  # a checkpoint step the catch-up reached
+            self.saver.capture(target)
+        return plan
+
+    def _record_epoch(self, epoch: int, cause: "EpochCause", outcome: "EpochOutcome",
+                      t0: float) -> None:
+        """summary.json's epochs[] entry, and the line that says it."""
+        pause = time.time() - cause.seen_at if cause.seen_at else time.monotonic() - t0
+        clock = comm.invoke(outcome.plan.all_shards[0], "report").wait()
         step = clock["version"]
-        self.epochs.append({"epoch": epoch, "started_again": who, "at_step": step,
-                            "cut_off": sorted(set(cut_off)),
-                            "pause_s": round(pause, 3), "rolled_back_to": rolled_back,
-                            "failovers": failovers,
+        self.epochs.append({"epoch": epoch, "started_again": cause.who, "at_step": step,
+                            "cut_off": cause.cut_off,
+                            "pause_s": round(pause, 3), "rolled_back_to": outcome.rolled_back_to,
+                            "failovers": outcome.failovers,
                             "applied_before": clock["per_worker_applied"]})
         log.warning("membership epoch %d: %s joined again at step %d%s; the cluster paused "
-                    "%.1f s", epoch, who, step, failover.what_moved(rolled_back, failovers),
-                    pause)
-        if self.cfg.cluster.ps_replicas:  # new backups where copies were lost, in the background
-            failover.restore_backups(self.cfg, self.topo, self.plan)
-        _plan_future(epoch).set_result(plan)
-        return plan
+                    "%.1f s", epoch, cause.who, step,
+                    failover.what_moved(outcome.rolled_back_to, outcome.failovers), pause)
 
     def _roll_back(self, epoch: int, who: str):
         """Every shard from the last committed checkpoint (a PS lost its shards)."""
@@ -239,9 +271,7 @@ class Chief:
         self.stopped_early = True
         shards = self.plan.every_shard
         reports = comm.wait_all([comm.invoke(r, "report") for r in shards])
-        exact = (self.cfg.update.name == "sync" and not any(r["workers_lost"] for r in reports)
-                 and (self.cfg.update.replicas_to_aggregate or self.topo.replicas)
-                 == self.topo.replicas)
+        exact = in_lockstep(self.cfg) and not any(r["workers_lost"] for r in reports)
         margin = 0 if exact else 2 * self.topo.replicas
         target = max(r["version"] for r in reports) + margin
         # the clock shard first: with bounded staleness its issued tickets set the step
