@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import math
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -109,6 +110,25 @@ def movielens(root: str, test_fraction: float = 0.2) -> dict:
     - Dense features (D = 2): age and release year, standardised with the training split's mean
       and std (a missing year is 0, the mean).
     """
+    inter, user_info, item_info = _read_movielens(root, test_fraction)
+    n = len(inter["user_id"])
+    timestamps = torch.tensor([float(t) for t in inter["timestamp"]], dtype=torch.float64)
+    order = torch.argsort(timestamps, stable=True).tolist()
+    num_test = round(n * test_fraction)
+    splits = {"train": order[:n - num_test], "test": order[n - num_test:]}
+    rows = [_movielens_tokens(inter["user_id"][k], inter["item_id"][k], user_info, item_info)
+            for k in range(n)]
+    labels = torch.tensor([float(r) for r in inter["rating"]]) >= 4
+    encode = _MovieLensEncoding.of([rows[k] for k in splits["train"]],
+                                   max(len(g) for _, g in item_info.values()))
+    tables = [{"name": f, "num_rows": len(encode.vocabs[f]) + 1} for f in ML_FEATURES]
+    tables[ML_FEATURES.index("genres")]["pooling"] = "mean"
+    return {"train": encode(rows, splits["train"], labels),
+            "test": encode(rows, splits["test"], labels), "num_dense": 2, "tables": tables}
+
+
+def _read_movielens(root: str, test_fraction: float) -> tuple[dict, dict, dict]:
+    """The ratings, {user: (age, gender, occupation, zip3)}, {item: (year, genres)}."""
     root_path = Path(root)
     if not 0 < test_fraction < 1:
         raise ValueError(f"data.test_fraction={test_fraction}: must lie in (0, 1)")
@@ -118,58 +138,56 @@ def movielens(root: str, test_fraction: float = 0.2) -> dict:
     inter = _read_atomic(root_path / "ml-100k.inter")
     users = _read_atomic(root_path / "ml-100k.user")
     items = _read_atomic(root_path / "ml-100k.item")
-
     user_info = {u: (int(a), g, o, z[:3]) for u, a, g, o, z in zip(
         users["user_id"], users["age"], users["gender"], users["occupation"], users["zip_code"])}
-    item_info = {}
-    for i, y, genres in zip(items["item_id"], items["release_year"], items["class"]):
-        year = y if len(y) == 4 and y.isdigit() else "unknown"
-        item_info[i] = (year, genres.split())
-    max_genres = max(len(g) for _, g in item_info.values())
+    item_info = {i: (y if len(y) == 4 and y.isdigit() else "unknown", genres.split())
+                 for i, y, genres in zip(items["item_id"], items["release_year"], items["class"])}
+    return inter, user_info, item_info
 
-    n = len(inter["user_id"])
-    timestamps = torch.tensor([float(t) for t in inter["timestamp"]], dtype=torch.float64)
-    order = torch.argsort(timestamps, stable=True).tolist()
-    num_test = round(n * test_fraction)
-    splits = {"train": order[:n - num_test], "test": order[n - num_test:]}
 
-    def tokens(k: int) -> dict:
-        u, i = inter["user_id"][k], inter["item_id"][k]
-        age, gender, occupation, zip3 = user_info[u]
-        year, genres = item_info[i]
-        age_group = str(sum(age >= b for b in AGE_BUCKETS))
-        return {"user": u, "item": i, "age": age_group, "gender": gender,
-                "occupation": occupation, "zip": zip3, "genres": genres, "year": year,
-                "_age": float(age), "_year": float(year) if year != "unknown" else math.nan}
+def _movielens_tokens(u: str, i: str, user_info: dict, item_info: dict) -> dict:
+    """One rating's tokens per feature, and its raw age and year (for the dense features)."""
+    age, gender, occupation, zip3 = user_info[u]
+    year, genres = item_info[i]
+    age_group = str(sum(age >= b for b in AGE_BUCKETS))
+    return {"user": u, "item": i, "age": age_group, "gender": gender,
+            "occupation": occupation, "zip": zip3, "genres": genres, "year": year,
+            "_age": float(age), "_year": float(year) if year != "unknown" else math.nan}
 
-    rows = [tokens(k) for k in range(n)]
-    train_rows = [rows[k] for k in splits["train"]]
-    vocabs = {f: _vocab(t for r in train_rows for t in (r[f] if f == "genres" else [r[f]]))
-              for f in ML_FEATURES}
-    ages = torch.tensor([r["_age"] for r in train_rows])
-    years = torch.tensor([r["_year"] for r in train_rows])
-    years = years[~years.isnan()]
-    stats = {"_age": (ages.mean(), ages.std()), "_year": (years.mean(), years.std())}
 
-    def build(ks: list[int]) -> TensorDictDataset:
-        feats = {f: torch.tensor([vocabs[f].get(rows[k][f], 0) for k in ks], dtype=torch.int64)
+@dataclass
+class _MovieLensEncoding:
+    """What the training split fixes: each feature's vocabulary, the dense features' mean and
+    std, the most genres a movie has (the padded width)."""
+
+    vocabs: dict[str, dict[str, int]]
+    stats: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    max_genres: int
+
+    @classmethod
+    def of(cls, train_rows: list[dict], max_genres: int) -> "_MovieLensEncoding":
+        vocabs = {f: _vocab(t for r in train_rows for t in (r[f] if f == "genres" else [r[f]]))
+                  for f in ML_FEATURES}
+        ages = torch.tensor([r["_age"] for r in train_rows])
+        years = torch.tensor([r["_year"] for r in train_rows])
+        years = years[~years.isnan()]
+        stats = {"_age": (ages.mean(), ages.std()), "_year": (years.mean(), years.std())}
+        return cls(vocabs, stats, max_genres)
+
+    def __call__(self, rows: list[dict], ks: list[int], labels: torch.Tensor) -> TensorDictDataset:
+        feats = {f: torch.tensor([self.vocabs[f].get(rows[k][f], 0) for k in ks],
+                                 dtype=torch.int64)
                  for f in ML_FEATURES if f != "genres"}
-        genres = [[vocabs["genres"].get(t, 0) for t in rows[k]["genres"]] for k in ks]
-        feats["genres"] = torch.tensor([g + [PAD] * (max_genres - len(g)) for g in genres],
+        genres = [[self.vocabs["genres"].get(t, 0) for t in rows[k]["genres"]] for k in ks]
+        feats["genres"] = torch.tensor([g + [PAD] * (self.max_genres - len(g)) for g in genres],
                                        dtype=torch.int64)
         dense = []
         for key in ("_age", "_year"):
-            mean, std = stats[key]
+            mean, std = self.stats[key]
             col = (torch.tensor([rows[k][key] for k in ks]) - mean) / std
             dense.append(col.nan_to_num_(0.0))
         feats["dense"] = torch.stack(dense, 1).float()
-        ratings = torch.tensor([float(inter["rating"][k]) for k in ks])
-        return TensorDictDataset(feats, (ratings >= 4).float())
-
-    tables = [{"name": f, "num_rows": len(vocabs[f]) + 1} for f in ML_FEATURES]
-    tables[ML_FEATURES.index("genres")]["pooling"] = "mean"
-    return {"train": build(splits["train"]), "test": build(splits["test"]), "num_dense": 2,
-            "tables": tables}
+        return TensorDictDataset(feats, labels[ks].float())
 
 
 # ---------------------------------------------------------------- Criteo TSV
