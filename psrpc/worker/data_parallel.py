@@ -206,18 +206,7 @@ class Worker(Replica):
                     g.zero_()
         rest = self.flat.disarm() if overlap else list(range(len(self.flat.params)))
         value = sum(losses) / parts  # (as a round averages its workers' losses)
-        table_grads = table_parts[0] if parts == 1 else mean_of_parts(table_parts)
-        if acc is not None:
-            acc.total(self.flat.all_grads())
-            for g in self.flat.all_grads():
-                g.div_(parts)  # (as the PS's average and the all-reduce divide)
-        if nan:
-            self.faults.corrupt(versions[0], self.flat.all_grads() + [g[1] for g in
-                                                               table_grads.values()])
-        if clip:  # this worker's own gradient norm (the round averages clipped gradients)
-            torch.nn.utils.clip_grad_norm_(
-                list(self.model.parameters()) + [Grad(g[1]) for g in table_grads.values()],
-                clip)
+        table_grads = self._step_gradients(versions[0], acc, table_parts, nan)
         if self.bounded:
             # After a pull the shards' versions can differ (tickets still in flight): the
             # oldest one bounds this gradient's staleness on every shard.
@@ -235,6 +224,26 @@ class Worker(Replica):
         if self.allreduce is not None:
             work.finite = self.allreduce.finish(versions[0])
         return work
+
+    def _step_gradients(self, step: int, acc, table_parts: list[dict], nan: bool) -> dict:
+        """The step's gradients once backward is done, treated as train.* asks: the mean of
+        the micro-batches (dense in place; the tables' returned), a NaN injected where
+        fault.* says, clipped to train.clip_grad_norm (this worker's own norm: the round
+        averages clipped gradients)."""
+        parts, clip = len(table_parts), self.cfg.train.clip_grad_norm
+        table_grads = table_parts[0] if parts == 1 else mean_of_parts(table_parts)
+        if acc is not None:
+            acc.total(self.flat.all_grads())
+            for g in self.flat.all_grads():
+                g.div_(parts)  # (as the PS's average and the all-reduce divide)
+        if nan:
+            self.faults.corrupt(step, self.flat.all_grads() + [g[1] for g in
+                                                        table_grads.values()])
+        if clip:
+            torch.nn.utils.clip_grad_norm_(
+                list(self.model.parameters()) + [Grad(g[1]) for g in table_grads.values()],
+                clip)
+        return table_grads
 
     def push(self, work: "Work") -> list:
         """The clock's and the tables' pushes of a computed step: every push Future."""
