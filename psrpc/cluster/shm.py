@@ -52,7 +52,7 @@ import torch
 
 from psrpc.cluster.shmdir import (available, directory, held, hold, problem, release, remove,
                                   remove_stale, unlink)
-from psrpc.cluster.topology import replicas
+from psrpc.cluster.topology import in_lockstep
 from psrpc.errors import PsrpcError
 
 __all__ = ["available", "directory", "held", "hold", "problem", "release", "remove",
@@ -220,9 +220,7 @@ def mode(cfg, same_host: bool, machine: Optional[str] = None) -> Optional[str]:
                              "cluster.shm=auto (TCP where shared memory is not available) or off")
         _say(log.warning, "shared memory is off: %s", why)
         return None
-    everyone = (cfg.update.name == "sync" and cfg.update.replicas_to_aggregate in
-                (None, replicas(cfg)))
-    if not everyone:
+    if not in_lockstep(cfg):
         return "slots"
     machine = (machine or platform.machine()).lower()
     if machine not in ORDERED:

@@ -218,3 +218,9 @@ def pipeline_stages(cfg) -> int:
 def replicas(cfg) -> int:
     """Data-parallel replicas: W in data-parallel mode, W / stages in model-parallel mode."""
     return cfg.cluster.num_workers // pipeline_stages(cfg)
+
+
+def in_lockstep(cfg) -> bool:
+    """Sync with every replica in each round (no backup workers): no shard can pass a step
+    without every replica's push, so the shards are never more than a step apart."""
+    return cfg.update.name == "sync" and cfg.update.replicas_to_aggregate in (None, replicas(cfg))

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from psrpc.cluster import comm
-from psrpc.cluster.topology import Topology
+from psrpc.cluster.topology import Topology, in_lockstep
 from psrpc.config import Config
 from psrpc.errors import first_line
 from psrpc.ps import replicas, service
@@ -84,9 +84,7 @@ def _no_promotion(cfg: Config, topo: Topology, plan: Plan, found: set[int], held
                 % (none, cfg.cluster.ps_replicas, "".join(
                     f"; shard {k}'s copies on {', '.join(v)} were given up by its primary"
                     for k, v in given_up.items() if v)))
-    lockstep = (cfg.update.name == "sync"  # every worker in each round: shards one step apart
-                and (cfg.update.replicas_to_aggregate or topo.replicas) == topo.replicas)
-    if not lockstep or not chosen:
+    if not in_lockstep(cfg) or not chosen:  # (shards one step apart at most)
         return None
     alive = [h for h in plan.every_shard if h.key in found]
     steps = [r["version"] for r in comm.wait_all([comm.invoke(h, "report") for h in alive])]

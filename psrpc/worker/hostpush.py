@@ -52,6 +52,7 @@ from torch.futures import Future
 
 from psrpc.cluster import comm, localreduce, membership, shm
 from psrpc.cluster import store as store_mod
+from psrpc.cluster.topology import in_lockstep
 from psrpc.cluster.wire import HostSum, Reply
 from psrpc.errors import PsrpcError, first_line
 from psrpc.optim.treesum import Scratch, tree_sum
@@ -407,8 +408,7 @@ def form(cfg, index: int, workers: int, shards: list, shm_modes: list, numels: l
     block of two or more on this host, or no shard it would push. Every worker of a block
     decides alike (the same hosts, the same plan)."""
     mode = cfg.update.host_push
-    if mode == "off" or cfg.update.name != "sync" or cfg.update.dense != "ps" or \
-            cfg.update.replicas_to_aggregate not in (None, workers) or workers < 2:
+    if mode == "off" or not in_lockstep(cfg) or cfg.update.dense != "ps" or workers < 2:
         return None
     timeout_s = comm.rpc_timeout_s(cfg)
     store = store_mod.abortable(membership.changing, timeout_s)
