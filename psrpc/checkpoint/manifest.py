@@ -125,28 +125,45 @@ def tables_problem(t: Any) -> Optional[str]:
 def layout_problem(layout: Layout) -> Optional[str]:
     """Every piece inside its tensor and its shard, every element of a tensor covered once,
     no two pieces overlapping (so that join and split cannot fail on it)."""
-    shapes = layout.shapes
-    for name, shape in shapes.items():
+    return (_shapes_problem(layout) or _pieces_problem(layout) or _coverage_problem(layout)
+            or _overlap_problem(layout))
+
+
+def _shapes_problem(layout: Layout) -> Optional[str]:
+    for name, shape in layout.shapes.items():
         if not isinstance(name, str) or not all(_is_int(d) for d in shape):
             return f"tensor {name!r} has shape {shape!r}"
     if not all(_is_int(x) for x in layout.shard_numel + layout.shard_ps) \
             or len(layout.shard_ps) != len(layout.shard_numel):
         return "shard_numel/shard_ps are not lists of integers >= 0 of the same length"
-    covered = {name: 0 for name in shapes}
+    return None
+
+
+def _pieces_problem(layout: Layout) -> Optional[str]:
     for p in layout.pieces:
-        if p.name not in shapes:
+        if p.name not in layout.shapes:
             return f"a piece names unknown tensor {p.name!r}"
-        shape = shapes[p.name]
+        shape = layout.shapes[p.name]
         rows = shape[0] if shape else 1
         ints = all(_is_int(x) for x in (p.row_start, p.row_end, p.shard, p.offset, p.numel))
         if not ints or not p.row_start < p.row_end <= rows or p.shard >= layout.num_shards \
                 or p.numel != (p.row_end - p.row_start) * math.prod(shape[1:]) \
                 or p.offset + p.numel > layout.shard_numel[p.shard]:
             return f"piece {p} does not fit its tensor {shape} or its shard"
+    return None
+
+
+def _coverage_problem(layout: Layout) -> Optional[str]:
+    covered = {name: 0 for name in layout.shapes}
+    for p in layout.pieces:
         covered[p.name] += p.numel
-    for name, shape in shapes.items():
+    for name, shape in layout.shapes.items():
         if covered[name] != math.prod(shape):
             return f"the pieces of {name!r} cover {covered[name]} of {math.prod(shape)} elements"
+    return None
+
+
+def _overlap_problem(layout: Layout) -> Optional[str]:
     for k in range(layout.num_shards):  # pieces never overlap (alignment leaves gaps)
         spans = sorted((p.offset, p.offset + p.numel) for p in layout.pieces if p.shard == k)
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
@@ -161,17 +178,29 @@ def shard_state_problem(state: Any, k: int, step: int, numel: int,
     shard: `optim_keys`, shard 0's)."""
     if not isinstance(state, dict):
         return f"holds {type(state).__name__}, expected a dict"
+    return (_shard_header_problem(state, k, step) or _params_problem(state["params"], numel)
+            or _optimizer_problem(state["optimizer"], numel, optim_keys)
+            or _stats_problem(state.get("stats", {})))
+
+
+def _shard_header_problem(state: dict, k: int, step: int) -> Optional[str]:
     for key in ("format", "shard", "version", "params", "optimizer"):
         if key not in state:
             return f"missing key {key!r}"
     if state["format"] != FORMAT or state["shard"] != k or state["version"] != step:
         return (f"format/shard/version {state['format']!r}/{state['shard']!r}/"
                 f"{state['version']!r}, the manifest says {FORMAT!r}/{k}/{step}")
-    params = state["params"]
+    return None
+
+
+def _params_problem(params: Any, numel: int) -> Optional[str]:
     if not torch.is_tensor(params) or params.dtype != torch.float32 or params.dim() != 1 \
             or params.numel() != numel:
         return f"params are not {numel} float32 elements (the manifest's layout)"
-    optim = state["optimizer"]
+    return None
+
+
+def _optimizer_problem(optim: Any, numel: int, optim_keys: Optional[set]) -> Optional[str]:
     per_param = optim.get("state") if isinstance(optim, dict) else None
     if not isinstance(per_param, dict) or not set(per_param) <= {0} \
             or not all(isinstance(v, dict) for v in per_param.values()):
@@ -182,7 +211,10 @@ def shard_state_problem(state: Any, k: int, step: int, numel: int,
     for key, value in values.items():
         if torch.is_tensor(value) and value.dim() >= 1 and value.shape != (numel,):
             return f"optimizer state {key!r} has shape {tuple(value.shape)}, expected ({numel},)"
-    stats = state.get("stats", {})
+    return None
+
+
+def _stats_problem(stats: Any) -> Optional[str]:
     if not isinstance(stats, dict) or not all(
             type(v) in (int, float) or isinstance(v, dict) for v in stats.values()):
         return "stats is not a dict of counters"
