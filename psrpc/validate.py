@@ -330,9 +330,17 @@ def check_run(cfg) -> None:
     for key in ("model", "loss", "metric"):
         check_arguments(key, getattr(cfg, key), data.info)
     model, loss_fn, metric = build_model(cfg, data), build_loss(cfg, data), build_metric(cfg, data)
-    tables = find_tables(model)
+    _check_tables(cfg, find_tables(model))
+    _check_a_batch(cfg, data, model, loss_fn, metric)
+    if cfg.parallel.name == "model":
+        model_cuts(model, cfg.parallel)  # the model can be cut as asked
+
+
+def _check_tables(cfg, tables: list) -> None:
+    """The model's embedding tables, bound to zeros (no server to ask yet: the shapes are what
+    matter): unique names, and what the config asks of them possible."""
     for t in tables:
-        t.bind(DryRows(t.specs))  # no server to ask yet: zeros, the shapes are what matter
+        t.bind(DryRows(t.specs))
     names = [s.name for t in tables for s in t.specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"model._target_={cfg.model['_target_']!r}: embedding table names "
@@ -345,6 +353,10 @@ def check_run(cfg) -> None:
     if tables and cfg.parallel.name == "model":
         raise ConfigError("parallel=model with embedding tables: tables live on the PS and are "
                           "looked up by data-parallel workers; use parallel=data")
+
+
+def _check_a_batch(cfg, data, model, loss_fn, metric) -> None:
+    """A batch of two through the model, the loss and the metric, each failure named."""
     try:
         x, y = default_collate([data.train[i] for i in range(min(2, len(data.train)))])
     except Exception as e:
@@ -372,8 +384,6 @@ def check_run(cfg) -> None:
     except Exception as e:
         raise ConfigError(f"metric._target_={cfg.metric['_target_']!r} on the model's output "
                           f"{_shape(out)} and the target {_shape(y)}: {first_line(e)}") from None
-    if cfg.parallel.name == "model":
-        model_cuts(model, cfg.parallel)  # the model can be cut as asked
 
 
 def _shape(x) -> str:
