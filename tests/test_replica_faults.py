@@ -289,3 +289,32 @@ def test_a_reply_waits_for_a_backup_that_went_live_after_its_push():
     assert shard.version == 1 and not first.done() and not second.done()
     backup_has_it.set_result(True)
     assert first.wait().version == 1 and second.wait().version == 1
+
+
+def test_a_worker_with_nothing_to_replay_computes_only_on_shards_at_one_version():
+    """After a failover the shards a lost PS held are a step behind until the other workers'
+    replays close that round. A worker started again (its push of that step died with the PS)
+    must not compute on parameters of two versions and push into that round as if of one (a
+    silent divergence, fault campaign schedule 108): it pulls again until the shards are level.
+    Not in lockstep (backup workers, async), shards apart are normal: no wait."""
+    from types import SimpleNamespace
+
+    from psrpc.worker.data_parallel import Worker
+
+    seen = iter([[299, 298, 299], [299, 298, 299], [299, 299, 299]])
+    tables = iter([[299, 298], [299, 298], [299, 299]])
+    pulls = []
+
+    def load(replies):
+        worker.table_versions = next(tables)
+        return replies
+
+    worker = SimpleNamespace(allreduce=None, lockstep=True, index=2, table_versions=[299, 298],
+                             cfg=SimpleNamespace(update=SimpleNamespace(timeout_s=5.0)),
+                             client=SimpleNamespace(pull=lambda: pulls.append(1) or next(seen)),
+                             load=load)
+    replies, versions = Worker.level(worker, [299, 298, 299], [299, 298, 299])
+    assert versions == [299, 299, 299] and worker.table_versions == [299, 299]
+    assert len(pulls) == 3
+    worker.lockstep, pulls[:] = False, []
+    assert Worker.level(worker, [5, 4], [5, 4]) == ([5, 4], [5, 4]) and pulls == []

@@ -15,6 +15,7 @@ ahead and do not depend on timing; with one worker this is the global step again
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Callable, Optional
@@ -324,6 +325,27 @@ class Worker(Replica):
         replies = self.client.pull()
         return replies, self.load(replies)
 
+    def level(self, replies: list[Reply], versions: list[int]) -> tuple[list[Reply], list[int]]:
+        """In lockstep (sync, every replica in each round, dense on the PS) a step is computed
+        on parameters of one version only. After a failover the shards a lost PS held can be
+        a step behind the others until the other workers' replays close that step's round
+        there; a worker with nothing to replay (started again: its push of that step is lost)
+        pulls again until every shard, the tables too, is at one version (the round it cannot
+        join closes after update.timeout_s without it, and the summary names that), instead
+        of pushing a gradient of two versions into that round as if of one."""
+        if self.allreduce is not None or not self.lockstep:
+            return replies, versions
+        deadline = time.monotonic() + self.cfg.update.timeout_s + LEVEL_GRACE_S
+        while not _one_version(versions, self.table_versions) and time.monotonic() < deadline:
+            time.sleep(LEVEL_POLL_S)
+            replies = self.client.pull()
+            versions = self.load(replies)
+        if not _one_version(versions, self.table_versions):
+            log.warning("worker%d: the shards stayed at versions %s (tables %s) for %g s; "
+                        "going on", self.index, versions, self.table_versions,
+                        self.cfg.update.timeout_s + LEVEL_GRACE_S)
+        return replies, versions
+
     def run(self, after_step: Callable[[Reply, float, float], bool] = lambda *a: False) -> None:
         """Train until the shards say training is finished. `after_step` is the chief's hook;
         it returns True to end training at once. A membership change (a rank started again)
@@ -347,6 +369,8 @@ class Worker(Replica):
                     else:
                         replies = self.client.pull()
                         versions = self.load(replies)
+                    if replay is None:
+                        replies, versions = self.level(replies, versions)
                 except Exception as e:
                     await_change(e)  # returns once the change is announced: rejoin
                     continue
@@ -404,3 +428,10 @@ class Worker(Replica):
 
 
 _EMPTY = torch.zeros(0)  # the gradient pushed to the clock shard (update.dense=allreduce)
+log = logging.getLogger(__name__)
+LEVEL_POLL_S = 0.02  # `level`: how often a worker asks whether the shards are at one version
+LEVEL_GRACE_S = 10.0  # ... and how long past update.timeout_s before it goes on regardless
+
+
+def _one_version(dense: list[int], tables: list[int]) -> bool:
+    return len(set(dense)) <= 1 and len(set(tables)) <= 1

@@ -11,7 +11,7 @@ import torch
 
 from psrpc import factories
 from psrpc.cluster import membership, partitions
-from psrpc.cluster.topology import Topology
+from psrpc.cluster.topology import Topology, in_lockstep
 from psrpc.config import Config
 from psrpc.errors import PsrpcError, first_line
 from psrpc.factories import Data
@@ -127,6 +127,7 @@ class Replica:
         self.bounded = cfg.update.name == "async" and cfg.update.max_staleness is not None
         self.clock = plan.shards[0][0]
         self.sync = cfg.update.name == "sync"
+        self.lockstep = in_lockstep(cfg)  # (every replica in each round: shards never apart)
         self._data_step: Optional[int] = None
 
     @classmethod
