@@ -325,6 +325,20 @@ class Worker(Replica):
         replies = self.client.pull()
         return replies, self.load(replies)
 
+    def resume(self, pushed: Optional["Work"]) -> tuple[list[Reply], list[int], Optional["Work"]]:
+        """Where to go on from: the parameters (in the new epoch's group when one is
+        announced), and the step `pushed` to push again when a failover lost its replies."""
+        if membership.changing():
+            replies, versions = self.rejoin()
+            replay = replay_step(self, pushed, replies)
+        else:
+            replies = self.client.pull()
+            versions = self.load(replies)
+            replay = None
+        if replay is None:
+            replies, versions = self.level(replies, versions)
+        return replies, versions, replay
+
     def level(self, replies: list[Reply], versions: list[int]) -> tuple[list[Reply], list[int]]:
         """In lockstep (sync, every replica in each round, dense on the PS) a step is computed
         on parameters of one version only. After a failover the shards a lost PS held can be
@@ -363,14 +377,7 @@ class Worker(Replica):
             if replies is None or membership.changing():
                 ahead = None
                 try:  # (the first pull too: a rank can be started again before it)
-                    if membership.changing():
-                        replies, versions = self.rejoin()
-                        replay = replay_step(self, pushed, replies)
-                    else:
-                        replies = self.client.pull()
-                        versions = self.load(replies)
-                    if replay is None:
-                        replies, versions = self.level(replies, versions)
+                    replies, versions, replay = self.resume(pushed)
                 except Exception as e:
                     await_change(e)  # returns once the change is announced: rejoin
                     continue
