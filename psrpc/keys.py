@@ -86,9 +86,9 @@ def known_keys() -> list[str]:
                    for f in dataclasses.fields(cls)} | TOP)
 
 
-def _parse(arg: str) -> Optional[Override]:
+def _parse(parser: OverridesParser, arg: str) -> Optional[Override]:
     try:
-        return OverridesParser.create().parse_override(arg)
+        return parser.parse_override(arg)
     except Exception:  # Hydra says what is wrong with it, as it composes
         return None
 
@@ -115,7 +115,8 @@ def translate(overrides: Sequence[str]) -> list[str]:
     environment variables that replaced them), `fault=inject` added where fault.* keys need
     it; raises ConfigError for a key the schema does not have."""
     args = list(overrides)
-    parsed = [_parse(a) for a in args]
+    parser = OverridesParser.create()  # (its grammar is built once, not per argument)
+    parsed = [_parse(parser, a) for a in args]
     update = _chosen(parsed, "update", "sync")
     out = []
     for arg, o in zip(args, parsed):
